@@ -1,0 +1,170 @@
+"""The Gated DeltaNet layer (Qwen3.5 `Qwen3_5MoeGatedDeltaNet`), AR (clean-stream) mode.
+
+Shapes: D hidden, nk/nv key/value heads, dk/dv head dims, K conv kernel, L = K-1 ring length.
+q, k, v are projected and convolved as three separate channel groups (HF fuses them into one
+`in_proj_qkv` and one conv; the bridge splits rows) so that tensor parallelism can shard each by head.
+
+Packed rows: the conv never reads a tap from another document, and the recurrent state resets where
+the segment id changes. With a cache, the conv reads the ring of the last L pre-conv inputs and the
+recurrence starts from the cached state, unless the first new token starts a new document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from clover_jax.config import ModelConfig
+from clover_jax.nn import Dense, GatedRMSNorm, constant, dtype_of, make_param, normal
+
+CONV_PARTS = ("q", "k", "v")
+
+
+def causal_conv(
+    x_BTC: jax.Array, w_KC: jax.Array, ring_BLC: jax.Array, seg_BT: jax.Array, ring_seg_BL: jax.Array
+) -> jax.Array:
+    """Depthwise causal conv, no activation: `out_t = sum_j w[j] x~[t-K+1+j]` over x~ = ring || x.
+
+    A tap contributes only if its token is in the same segment as t (ring slots carry the segment ids
+    of the tokens they hold; an empty ring is zeros with segment -1).
+    """
+    k = w_KC.shape[0]
+    t = x_BTC.shape[1]
+    xx = jnp.concatenate([ring_BLC.astype(x_BTC.dtype), x_BTC], axis=1)
+    seg = jnp.concatenate([ring_seg_BL, seg_BT], axis=1)
+    out = jnp.zeros(x_BTC.shape, jnp.float32)
+    for j in range(k):  # K = 4: a static unroll is cheaper than a conv with masks
+        tap = jax.lax.dynamic_slice_in_dim(xx, j, t, axis=1)
+        same = jax.lax.dynamic_slice_in_dim(seg, j, t, axis=1) == seg_BT
+        out = out + jnp.where(same[..., None], tap.astype(jnp.float32) * w_KC[j].astype(jnp.float32), 0.0)
+    return out.astype(x_BTC.dtype)
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """`x * rsqrt(sum(x^2) + eps)` over the last axis (fla / transformers convention), fp32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class GatedDeltaNet(nnx.Module):
+    """GDN mixer: projections, causal conv + SiLU, gates, l2norm, gated delta rule, gated norm, out_proj."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd, dt = dtype_of(cfg.param_dtype), dtype_of(cfg.dtype)
+        d, kd, vd, nv = cfg.hidden_size, cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.linear_num_value_heads
+        kw = dict(rngs=rngs, param_dtype=pd, dtype=dt)
+        self.in_proj_q = Dense(d, kd, ("embed", "gdn_qk"), **kw)
+        self.in_proj_k = Dense(d, kd, ("embed", "gdn_qk"), **kw)
+        self.in_proj_v = Dense(d, vd, ("embed", "gdn_v"), **kw)
+        self.in_proj_z = Dense(d, vd, ("embed", "gdn_v"), **kw)
+        self.in_proj_b = Dense(d, nv, ("embed", "gdn_heads"), **kw)
+        self.in_proj_a = Dense(d, nv, ("embed", "gdn_heads"), **kw)
+        k = cfg.linear_conv_kernel_dim
+        self.conv_q = _ConvKernel(k, kd, "gdn_qk", rngs=rngs, param_dtype=pd)
+        self.conv_k = _ConvKernel(k, kd, "gdn_qk", rngs=rngs, param_dtype=pd)
+        self.conv_v = _ConvKernel(k, vd, "gdn_v", rngs=rngs, param_dtype=pd)
+        # A_log and dt_bias stay fp32 whatever param_dtype is (HF keeps A_log fp32; both feed exp).
+        self.A_log = make_param(rngs, _log_uniform(1.0, 16.0), (nv,), ("gdn_heads",), jnp.float32)
+        self.dt_bias = make_param(rngs, constant(1.0), (nv,), ("gdn_heads",), jnp.float32)
+        self.norm = GatedRMSNorm(cfg.linear_value_head_dim, eps=cfg.rms_norm_eps, rngs=rngs, param_dtype=pd)
+        self.out_proj = Dense(vd, d, ("gdn_v", "embed"), **kw)
+        self.cfg = cfg
+
+    def mix_inputs(self, x_BTD: jax.Array) -> dict[str, jax.Array]:
+        """Pre-conv q, k, v [B, T, C_part] and the gates' inputs z [B,T,nv,dv], b, a [B,T,nv]."""
+        b, t, _ = x_BTD.shape
+        c = self.cfg
+        return {
+            "q": self.in_proj_q(x_BTD),
+            "k": self.in_proj_k(x_BTD),
+            "v": self.in_proj_v(x_BTD),
+            "z": self.in_proj_z(x_BTD).reshape(b, t, c.linear_num_value_heads, c.linear_value_head_dim),
+            "b": self.in_proj_b(x_BTD),
+            "a": self.in_proj_a(x_BTD),
+        }
+
+    def gates(self, b_BTH: jax.Array, a_BTH: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), both fp32 [B, T, nv]."""
+        beta = jax.nn.sigmoid(b_BTH.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a_BTH.astype(jnp.float32) + self.dt_bias[...])
+        return g, beta
+
+    def heads(self, conv: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Post-conv channels -> q, k l2-normalised and repeated to nv heads [B,T,nv,dk]; v [B,T,nv,dv]."""
+        c = self.cfg
+        b, t, _ = conv["q"].shape
+        rep = c.linear_num_value_heads // c.linear_num_key_heads
+        q = conv["q"].reshape(b, t, c.linear_num_key_heads, c.linear_key_head_dim)
+        k = conv["k"].reshape(b, t, c.linear_num_key_heads, c.linear_key_head_dim)
+        v = conv["v"].reshape(b, t, c.linear_num_value_heads, c.linear_value_head_dim)
+        # value head j reads key head j // rep (HF repeat_interleave)
+        q = jnp.repeat(l2_normalize(q), rep, axis=2)
+        k = jnp.repeat(l2_normalize(k), rep, axis=2)
+        return q, k, v.astype(jnp.float32)
+
+    def output(self, o_BTHV: jax.Array, z_BTHV: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        b, t = o_BTHV.shape[:2]
+        y = self.norm(o_BTHV.astype(dtype), z_BTHV)
+        return self.out_proj(y.reshape(b, t, -1))
+
+    def __call__(
+        self, x_BTD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array] | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+        """x [B, T, D] -> [B, T, D]. `ctx`: `segment_ids` [B, T], `ring_segment_ids` [B, L] and, with a
+        cache, `continues` [B] bool (the first token continues the cached document). Cache:
+        `state` [B, nv, dk, dv] fp32, `conv_{q,k,v}` [B, L, C_part] pre-conv ring."""
+        c = self.cfg
+        mixed = self.mix_inputs(x_BTD)
+        seg, ring_seg = ctx["segment_ids"], ctx["ring_segment_ids"]
+        b, t, _ = x_BTD.shape
+        lring = c.linear_conv_kernel_dim - 1
+        conv, new_cache = {}, {}
+        for part in CONV_PARTS:
+            x_part = mixed[part]
+            ring = cache[f"conv_{part}"] if cache is not None else jnp.zeros((b, lring, x_part.shape[-1]), x_part.dtype)
+            conv[part] = jax.nn.silu(causal_conv(x_part, getattr(self, f"conv_{part}").kernel[...], ring, seg, ring_seg))
+            new_cache[f"conv_{part}"] = jnp.concatenate([ring.astype(x_part.dtype), x_part], axis=1)[:, -lring:]
+        q, k, v = self.heads(conv)
+        g, beta = self.gates(mixed["b"], mixed["a"])
+        init_state = None
+        if cache is not None:
+            init_state = cache["state"] * ctx["continues"][:, None, None, None].astype(jnp.float32)
+        o, state = pallas_kernels.chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=init_state, segment_ids=seg,
+            chunk_size=c.gdn_chunk_size, backend=c.gdn_backend,
+        )
+        y = self.output(o, mixed["z"], x_BTD.dtype)
+        if cache is None:
+            return y, None
+        new_cache = {k_: v_.astype(cache[k_].dtype) for k_, v_ in new_cache.items()}
+        new_cache["state"] = state.astype(jnp.float32)
+        return y, new_cache
+
+
+class _ConvKernel(nnx.Module):
+    """Depthwise conv taps [K, C]; tap K-1 multiplies the current token (HF weight[c, 0, j] = kernel[j, c])."""
+
+    def __init__(self, k: int, channels: int, axis: str, *, rngs: nnx.Rngs, param_dtype: jnp.dtype):
+        self.kernel = make_param(rngs, normal(0.2), (k, channels), ("conv_tap", axis), param_dtype)
+
+
+def _log_uniform(lo: float, hi: float):
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+        return jnp.log(jax.random.uniform(key, shape, jnp.float32, lo, hi)).astype(dtype)
+
+    return init
+
+
+def init_gdn_cache(cfg: ModelConfig, batch: int, dtype: jnp.dtype) -> dict[str, jax.Array]:
+    lring = cfg.linear_conv_kernel_dim - 1
+    h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return {
+        "state": jnp.zeros((batch, h, dk, dv), jnp.float32),
+        "conv_q": jnp.zeros((batch, lring, cfg.gdn_key_dim), dtype),
+        "conv_k": jnp.zeros((batch, lring, cfg.gdn_key_dim), dtype),
+        "conv_v": jnp.zeros((batch, lring, cfg.gdn_value_dim), dtype),
+    }

@@ -1,0 +1,1 @@
+"""sft package (lands with its issue)."""
