@@ -1,0 +1,14 @@
+"""Kernels for Clover-JAX (Pallas) and their plain-jnp references.
+
+This package imports nothing from ``clover_jax``, ``train`` or ``sft`` (DESIGN.md 5, module map).
+"""
+
+from .dispatch import BACKENDS, chunk_gated_delta_rule
+from .gdn_reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
+
+__all__ = [
+    "BACKENDS",
+    "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_ref",
+    "recurrent_gated_delta_rule_ref",
+]

@@ -1,0 +1,246 @@
+"""Plain-jnp reference ops for the gated delta rule (GDN), the CPU path and the kernel oracle.
+
+Argument convention (transformers' ``torch_*_gated_delta_rule`` with ``use_qk_l2norm_in_kernel=False``):
+
+- ``q_BTHK``, ``k_BTHK``: [B, T, H, dk], ALREADY l2-normalised and repeated to the value heads;
+- ``v_BTHV``: [B, T, H, dv];
+- ``g_BTH``: [B, T, H] log-decay (<= 0), ``beta_BTH``: [B, T, H] write strength in (0, 1);
+- state ``state_BHKV``: [B, H, dk, dv], always fp32;
+- ``segment_ids_BT``: optional int [B, T]; documents are contiguous runs of equal id and the state
+  resets wherever the id differs from the previous token's (never at t = 0: a carried-in
+  ``initial_state`` belongs to the segment of token 0). An id that reappears after a different id
+  starts a NEW document.
+
+Per head the recurrence is ``S = exp(g_t) S; d = beta_t (v_t - S^T k_t); S = S + k_t d^T;
+o_t = S^T (q_t * scale)`` with ``scale = dk ** -0.5`` by default. All math runs in fp32; the output
+has the dtype of ``v``.
+
+Both ops are pure jnp (jit/grad/vmap friendly). Matmuls request ``Precision.HIGHEST`` so the oracle
+stays fp32-accurate on TPU/GPU where the default matmul precision is lower.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_HI = lax.Precision.HIGHEST
+
+
+def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, *operands, precision=_HI)
+
+
+def _check_inputs(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+    initial_state: jax.Array | None, segment_ids: jax.Array | None,
+) -> tuple[int, int, int, int, int]:
+    """Validates shapes; returns (B, T, H, dk, dv)."""
+    if q.ndim != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [B, T, H, dk]; got q {q.shape}, k {k.shape}")
+    B, T, H, K = q.shape
+    if v.ndim != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, dv] = [{B}, {T}, {H}, dv]; got {v.shape} "
+                         "(q and k must already be repeated to the value heads)")
+    V = v.shape[-1]
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (B, T, H):
+            raise ValueError(f"{name} must be [B, T, H] = {(B, T, H)}; got {x.shape}")
+    if initial_state is not None and initial_state.shape != (B, H, K, V):
+        raise ValueError(f"initial_state must be [B, H, dk, dv] = {(B, H, K, V)}; got {initial_state.shape}")
+    if segment_ids is not None and segment_ids.shape != (B, T):
+        raise ValueError(f"segment_ids must be [B, T] = {(B, T)}; got {segment_ids.shape}")
+    return B, T, H, K, V
+
+
+def _reset_flags(segment_ids_BT: jax.Array | None, B: int, T: int) -> jax.Array:
+    """[B, T] bool: True where the state must be zeroed before token t (id differs from t - 1)."""
+    if segment_ids_BT is None:
+        return jnp.zeros((B, T), bool)
+    seg = jnp.asarray(segment_ids_BT)
+    changed_BT = seg[:, 1:] != seg[:, :-1]
+    return jnp.concatenate([jnp.zeros((B, 1), bool), changed_BT], axis=1)
+
+
+def _masked_exp(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """exp(x) where mask else 0, with the masked exponent zeroed BEFORE exp.
+
+    Masked entries (future positions, other documents) can have positive exponents that overflow;
+    inf * 0 = nan would then leak into values and gradients, hence the double where.
+    """
+    return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+
+
+def recurrent_gated_delta_rule_ref(
+    q_BTHK: jax.Array,
+    k_BTHK: jax.Array,
+    v_BTHV: jax.Array,
+    g_BTH: jax.Array,
+    beta_BTH: jax.Array,
+    /,
+    *,
+    initial_state_BHKV: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The literal per-token recurrence (``lax.scan`` over T), fp32.
+
+    Args: see the module docstring for shapes. ``initial_state_BHKV`` defaults to zeros.
+    Returns: ``(o_BTHV in v's dtype, final_state_BHKV fp32)``.
+    """
+    B, T, H, K, V = _check_inputs(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_state_BHKV, segment_ids_BT)
+    scale = K ** -0.5 if scale is None else scale
+    f32 = jnp.float32
+    state0_BHKV = (jnp.zeros((B, H, K, V), f32) if initial_state_BHKV is None
+                   else initial_state_BHKV.astype(f32))
+    reset_BT = _reset_flags(segment_ids_BT, B, T)
+
+    def time_major(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [T, B, ...] for lax.scan
+        return jnp.moveaxis(x if x.dtype == bool else x.astype(f32), 1, 0)
+
+    xs = tuple(map(time_major, (q_BTHK.astype(f32) * scale, k_BTHK, v_BTHV, g_BTH, beta_BTH, reset_BT)))
+
+    def step(S_BHKV, x):
+        q_BHK, k_BHK, v_BHV, g_BH, beta_BH, reset_B = x
+        # A document start forgets everything before it (a select, not g = -inf: see chunked op).
+        S_BHKV = jnp.where(reset_B[:, None, None, None], 0.0, S_BHKV)
+        S_BHKV = S_BHKV * jnp.exp(g_BH)[..., None, None]
+        kv_mem_BHV = _einsum("bhkv,bhk->bhv", S_BHKV, k_BHK)
+        delta_BHV = beta_BH[..., None] * (v_BHV - kv_mem_BHV)
+        S_BHKV = S_BHKV + k_BHK[..., :, None] * delta_BHV[..., None, :]
+        o_BHV = _einsum("bhkv,bhk->bhv", S_BHKV, q_BHK)
+        return S_BHKV, o_BHV
+
+    final_BHKV, o_TBHV = lax.scan(step, state0_BHKV, xs)
+    return jnp.moveaxis(o_TBHV, 0, 1).astype(v_BTHV.dtype), final_BHKV
+
+
+def _segmented_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
+    """Inclusive cumsum over the last axis that restarts at every position where ``reset`` is True.
+
+    Restarting (rather than differencing a global cumsum) keeps the exponents small: within a
+    document cum_i - cum_j is exact-ish even when earlier documents decayed to -1e3.
+    """
+    def combine(a, b):
+        a_val, a_reset = a
+        b_val, b_reset = b
+        return jnp.where(b_reset, b_val, a_val + b_val), a_reset | b_reset
+
+    out, _ = lax.associative_scan(combine, (x, jnp.broadcast_to(reset, x.shape)), axis=x.ndim - 1)
+    return out
+
+
+def chunk_gated_delta_rule_ref(
+    q_BTHK: jax.Array,
+    k_BTHK: jax.Array,
+    v_BTHV: jax.Array,
+    g_BTH: jax.Array,
+    beta_BTH: jax.Array,
+    /,
+    *,
+    initial_state: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    chunk_size: int = 64,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Chunked WY/UT form of the gated delta rule: dense math inside a chunk, ``lax.scan`` over chunks.
+
+    Equal to :func:`recurrent_gated_delta_rule_ref` for any ``chunk_size`` (fp32 round-off). T need
+    not be a multiple of ``chunk_size``: the tail is padded with q = k = v = g = beta = 0 in the last
+    token's segment (identity on the state) and dropped.
+
+    Segments are handled with explicit masks (never g = -inf, which would turn cumsum differences
+    into nan / destroy fp32 precision): per chunk, with ``run`` the document index of each token and
+    ``prev`` that of the token before the chunk,
+    pairwise terms use ``[run_i == run_j]``, the carried-in state reaches token i only if
+    ``run_i == prev``, and the carried-out state keeps the old state only if the whole chunk is in
+    ``prev`` and receives only tokens of the chunk's last document.
+
+    Args: see the module docstring; ``chunk_size`` is a static int >= 1.
+    Returns: ``(o_BTHV in v's dtype, final_state_BHKV fp32)``.
+    """
+    B, T, H, K, V = _check_inputs(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_state, segment_ids)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+    scale = K ** -0.5 if scale is None else scale
+    C = chunk_size
+    N = -(-T // C)
+    pad = N * C - T
+    f32 = jnp.float32
+
+    # Document index per token (0, 1, 2, ... along T). Comparing run indices instead of raw ids
+    # makes a reused id (e.g. pad id 0 between every pair of documents) a separate document.
+    reset_BT = _reset_flags(segment_ids, B, T)
+    run_BT = jnp.cumsum(reset_BT.astype(jnp.int32), axis=1)
+    # Pad tokens continue the last document (no reset) and are exact no-ops on the state.
+    reset_BT = jnp.pad(reset_BT, ((0, 0), (0, pad)))
+    run_BT = jnp.pad(run_BT, ((0, 0), (0, pad)), mode="edge")
+
+    def chunked(x: jax.Array) -> jax.Array:
+        """[B, T, H, ...] -> zero-padded fp32 [B, H, N, C, ...]."""
+        x = jnp.pad(x.astype(f32), ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        x = x.reshape((B, N, C) + x.shape[2:])
+        return jnp.moveaxis(x, 3, 1)
+
+    q_BHNCK = chunked(q_BTHK) * scale
+    k_BHNCK = chunked(k_BTHK)
+    v_BHNCV = chunked(v_BTHV)
+    g_BHNC = chunked(g_BTH)
+    beta_BHNC = chunked(beta_BTH)
+
+    # ---- masks (per batch row, shared by all heads) ----
+    run_BNC = run_BT.reshape(B, N, C)
+    prev_BN = jnp.concatenate([run_BNC[:, :1, 0], run_BNC[:, :-1, -1]], axis=1)
+    same_doc_BNCC = run_BNC[..., :, None] == run_BNC[..., None, :]
+    causal_CC = jnp.tril(jnp.ones((C, C), bool))          # token i sees its own update (diagonal)
+    strict_CC = jnp.tril(jnp.ones((C, C), bool), k=-1)    # UT system: only earlier tokens
+    attn_mask_B1NCC = (same_doc_BNCC & causal_CC)[:, None]
+    ut_mask_B1NCC = (same_doc_BNCC & strict_CC)[:, None]
+    from_prev_B1NC = (run_BNC == prev_BN[..., None])[:, None]
+    to_last_B1NC = (run_BNC == run_BNC[..., -1:])[:, None]
+    keep_prev_B1N = (run_BNC[..., -1] == prev_BN)[:, None]
+
+    # ---- intra-chunk quantities, all chunks at once ----
+    if segment_ids is None:
+        cum_BHNC = jnp.cumsum(g_BHNC, axis=-1)
+    else:
+        cum_BHNC = _segmented_cumsum(g_BHNC, reset_BT.reshape(B, 1, N, C))
+    diff_BHNCC = cum_BHNC[..., :, None] - cum_BHNC[..., None, :]
+    decay_attn_BHNCC = _masked_exp(diff_BHNCC, attn_mask_B1NCC)
+    decay_ut_BHNCC = _masked_exp(diff_BHNCC, ut_mask_B1NCC)
+
+    k_beta_BHNCK = k_BHNCK * beta_BHNC[..., None]
+    v_beta_BHNCV = v_BHNCV * beta_BHNC[..., None]
+    # Delta-rule coupling of the chunk: d_i + sum_{j<i} A_ij d_j = beta_i v_i - (decayed S0)^T beta_i k_i.
+    A_BHNCC = _einsum("bhnik,bhnjk->bhnij", k_beta_BHNCK, k_BHNCK) * decay_ut_BHNCC
+    L_BHNCC = A_BHNCC + jnp.eye(C, dtype=f32)
+    decay_in_BHNC = _masked_exp(cum_BHNC, from_prev_B1NC)
+    rhs = jnp.concatenate([v_beta_BHNCV, k_beta_BHNCK * decay_in_BHNC[..., None]], axis=-1)
+    sol = jax.scipy.linalg.solve_triangular(L_BHNCC, rhs, lower=True, unit_diagonal=True)
+    u_BHNCV, w_BHNCK = sol[..., :V], sol[..., V:]   # d = u - w S0
+
+    attn_BHNCC = _einsum("bhnik,bhnjk->bhnij", q_BHNCK, k_BHNCK) * decay_attn_BHNCC
+    q_dec_BHNCK = q_BHNCK * decay_in_BHNC[..., None]
+    cum_last_BHN1 = cum_BHNC[..., -1:]
+    k_dec_BHNCK = k_BHNCK * _masked_exp(cum_last_BHN1 - cum_BHNC, to_last_B1NC)[..., None]
+    state_decay_BHN = _masked_exp(cum_last_BHN1[..., 0], keep_prev_B1N)
+
+    # ---- sequential pass over chunks ----
+    def step(S_BHKV, x):
+        u_BHCV, w_BHCK, q_dec_BHCK, attn_BHCC, k_dec_BHCK, state_decay_BH = x
+        delta_BHCV = u_BHCV - _einsum("bhck,bhkv->bhcv", w_BHCK, S_BHKV)
+        o_BHCV = (_einsum("bhck,bhkv->bhcv", q_dec_BHCK, S_BHKV)
+                  + _einsum("bhij,bhjv->bhiv", attn_BHCC, delta_BHCV))
+        S_BHKV = (S_BHKV * state_decay_BH[..., None, None]
+                  + _einsum("bhck,bhcv->bhkv", k_dec_BHCK, delta_BHCV))
+        return S_BHKV, o_BHCV
+
+    chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B, H, N, ...] -> [N, B, H, ...]
+    xs = tuple(map(chunk_major, (u_BHNCV, w_BHNCK, q_dec_BHNCK, attn_BHNCC, k_dec_BHNCK, state_decay_BHN)))
+    state0_BHKV = (jnp.zeros((B, H, K, V), f32) if initial_state is None
+                   else initial_state.astype(f32))
+    final_BHKV, o_NBHCV = lax.scan(step, state0_BHKV, xs)
+
+    o_BTHV = jnp.transpose(o_NBHCV, (1, 0, 3, 2, 4)).reshape(B, N * C, H, V)[:, :T]
+    return o_BTHV.astype(v_BTHV.dtype), final_BHKV
