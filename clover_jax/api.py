@@ -1,0 +1,59 @@
+"""`load_hf` / `save_hf`: an HF checkpoint dir <-> a ready `CloverModel` (DESIGN.md 6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clover_jax import bridge
+from clover_jax.config import ModelConfig
+from clover_jax.model import CloverModel, model_from_params, model_to_params
+from clover_jax.params import stack_layers, unstack_layers
+
+_DTYPE_NAMES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16"}
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        return _DTYPE_NAMES[jnp.dtype(dtype)]
+    except KeyError:
+        raise ValueError(f"dtype {dtype!r} unsupported (float32 or bfloat16)") from None
+
+
+def load_hf(
+    path: str | Path, *, dtype: Any = jnp.float32, mode: Literal["ar", "block"] = "ar", **runtime: Any
+) -> tuple[ModelConfig, CloverModel]:
+    """Reads an HF dir (Qwen3.6 hub layout or `save_pretrained` layout) into a model whose params
+    and compute use `dtype` (GDN `A_log` / `dt_bias` stay fp32). `runtime` overrides ModelConfig
+    runtime fields (e.g. `gdn_chunk_size=32`, `moe_impl="dense"`)."""
+    if mode != "ar":
+        raise NotImplementedError("mode='block' lands with the block-diffusion issue")
+    name = _dtype_name(dtype)
+    cfg, tree = bridge.read_hf(path)
+    cfg = cfg.replace(dtype=name, param_dtype=name, **runtime)
+    return cfg, model_from_params(cfg, stack_layers(cfg, tree))
+
+
+def save_hf(
+    model: CloverModel, config: ModelConfig, out_dir: str | Path, *, format: Literal["qwen", "clover"] = "qwen",
+    dtype: Any | None = jnp.bfloat16, **kwargs: Any,
+) -> Path:
+    """Writes `model` as an HF dir (sharded safetensors + index, config.json, generation_config.json).
+    Weights are cast to `dtype` (None keeps the params' dtypes); `A_log` and the GDN norm stay fp32
+    as in the Qwen3.6 checkpoints. `kwargs` go to `bridge.write_hf` (expert_layout, prefix,
+    max_shard_bytes, source_dir, overwrite)."""
+    tree = unstack_layers(config, model_to_params(model))
+    if dtype is not None:
+        tree = jax.tree_util.tree_map_with_path(lambda p, x: _cast_leaf(p, x, dtype), tree)
+    return bridge.write_hf(config, tree, out_dir, format=format, **kwargs)
+
+
+def _cast_leaf(path: tuple, x: Any, dtype: Any) -> Any:
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    if "A_log" in keys or ("gdn" in keys and "norm" in keys):
+        return np.asarray(x, np.float32)
+    return np.asarray(jnp.asarray(x, dtype))
