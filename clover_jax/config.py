@@ -256,6 +256,14 @@ PRESETS: dict[str, ModelConfig] = {
         num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
         max_position_embeddings=4096, eos_token_id=1,
     ),
+    # The embedded default (README): Qwen3.6-shaped with the real 248320-row vocabulary and tokenizer,
+    # small enough to convert, export and decode on 2 CPU cores in seconds.
+    "tiny-qwen3.6": ModelConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        mrope_section=(2, 2, 0), linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, max_position_embeddings=4096, pad_token_id=248044,
+    ),
     # Unit tests: fast to compile, every feature exercised (GQA 2, dk != dv, 2 groups of 2 layers).
     "tiny": ModelConfig(
         vocab_size=256, hidden_size=64, num_hidden_layers=4, layer_types=_pattern(1, 1, 2),

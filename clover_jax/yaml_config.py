@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-__all__ = ["ConfigError", "load_yaml_tree", "apply_overrides", "from_tree", "to_tree",
+__all__ = ["ConfigError", "deep_merge", "load_yaml_tree", "apply_overrides", "from_tree", "to_tree",
            "dump_yaml", "load_config"]
 
 T = TypeVar("T")
@@ -77,13 +77,13 @@ def _parse_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{loc}: YAML syntax error: {problem}") from None
 
 
-def _deep_merge(base: Mapping, over: Mapping) -> dict:
+def deep_merge(base: Mapping, over: Mapping) -> dict:
     """Return ``base`` with ``over`` merged in: mappings merge recursively, anything else
     (lists included) replaces, so a list in a derived config never half-inherits its base."""
     out = copy.deepcopy(dict(base))
     for k, v in over.items():
         if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = _deep_merge(out[k], v)
+            out[k] = deep_merge(out[k], v)
         else:
             out[k] = copy.deepcopy(v)
     return out
@@ -126,8 +126,8 @@ def _load_tree(path: Path, stack: tuple[Path, ...], included_from: Path | None) 
     merged: dict = {}
     for base in bases:
         base_path = Path(base) if Path(base).is_absolute() else path.parent / base
-        merged = _deep_merge(merged, _load_tree(base_path, stack + (resolved,), path))
-    return _deep_merge(merged, data)
+        merged = deep_merge(merged, _load_tree(base_path, stack + (resolved,), path))
+    return deep_merge(merged, data)
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -238,7 +238,7 @@ def _build(cls: type, value: Any, key: str, where: str) -> Any:
         # `model.layers=2` on top of `model: Model = field(default_factory=tiny_model)` keeps
         # the rest of tiny_model.
         if dataclasses.is_dataclass(default):
-            v = _deep_merge(to_tree(default), v)
+            v = deep_merge(to_tree(default), v)
         kwargs[name] = _coerce(hints[name], v, sub, where)
     return cls(**kwargs)
 
