@@ -104,7 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    # pending commands accept anything (`sft --config F k=v`) so they can say what they are waiting for
+    args, unknown = ap.parse_known_args(argv)
+    if unknown and args.fn is not cmd_pending:
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     _setup_logging(args.verbose)
     from clover_jax.safetensors_io import CheckpointError
     from clover_jax.yaml_config import ConfigError
@@ -112,9 +116,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.fn(args)
-    except (CheckpointError, ConfigError, ModelConfigError, FileExistsError, FileNotFoundError) as e:
+    except FileExistsError as e:
+        print(f"error: {e} (pass --overwrite to replace it)", file=sys.stderr)
+        return 1
+    except (CheckpointError, ConfigError, ModelConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except NotImplementedError as e:
+        print(f"not available yet: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

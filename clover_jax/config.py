@@ -68,7 +68,7 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     gdn_chunk_size: int = 64
     gdn_backend: Literal["auto", "pallas", "reference"] = "auto"
-    moe_impl: Literal["ragged", "dense"] = "ragged"
+    moe_impl: Literal["auto", "ragged", "blocked", "dense"] = "auto"
     scan_layers: bool = True
 
     def __post_init__(self) -> None:
@@ -80,6 +80,12 @@ class ModelConfig:
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
                 f"{self.num_hidden_layers}"
             )
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts",
+                     "moe_intermediate_size", "shared_expert_intermediate_size", "gdn_chunk_size"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
         bad = [t for t in self.layer_types if t not in _LAYER_TYPES]
         if bad:
             raise ModelConfigError(f"layer_types: unknown type {bad[0]!r} (allowed: {_LAYER_TYPES})")

@@ -43,11 +43,17 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str] = ()) -> R
     tree = apply_overrides(tree, list(overrides))
     model = dict(tree.get("model") or {})
     preset = model.pop("preset", None)
-    if preset is not None:
-        try:
-            model = deep_merge(to_tree(get_preset(str(preset))), model)
-        except ModelConfigError as e:
-            raise ConfigError(f"{path or 'overrides'}: model.preset: {e}") from None
+    try:
+        base = get_preset(str(preset)) if preset is not None else ModelConfig()
+    except ModelConfigError as e:
+        raise ConfigError(f"{path or 'overrides'}: model.preset: {e}") from None
+    base_tree = to_tree(base)
+    if "num_hidden_layers" in model and "layer_types" not in model:
+        # fewer (or more) layers of a preset: repeat its layer pattern, as HF derives it
+        n, p = int(model["num_hidden_layers"]), base.group_size
+        base_tree["layer_types"] = list(base.layer_types[:p]) * (n // p) if n % p == 0 else []
+    if preset is not None or model:
+        model = deep_merge(base_tree, model)
     if model or "model" in tree:
         tree = {**tree, "model": model}
     try:
