@@ -18,9 +18,12 @@ The HF source is deleted after convert unless ``--keep``, so disk use peaks at ~
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import math
 import os
+import platform
 import resource
 import shutil
 import subprocess
@@ -124,9 +127,26 @@ def _proc_status(pid: int) -> dict[str, int]:
             if n in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
 
 
+def _shrink_self() -> None:
+    """Lowers this process's RSS and resets its peak-RSS mark before a child is started: the child's
+    ``ru_maxrss`` starts from the parent's high-water mark (the child begins as a fork / vfork of
+    this process), so without this ``maxrss`` would report the synthesis step's peak, not the child's."""
+    gc.collect()
+    if platform.libc_ver()[0] == "glibc":
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux >= 4.0)
+    except OSError:
+        pass
+
+
 def measure(cmd: list[str], interval: float = 0.02) -> dict[str, Any]:
     """Runs ``cmd``; peak RSS of it + its children (polled), its kernel max RSS, wall time."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    _shrink_self()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     peak, done = Counter(VmRSS=0), threading.Event()
@@ -240,7 +260,7 @@ def main() -> None:
 
     m = lambda b: f"{b / MiB:,.0f} MiB"  # noqa: E731
     print(f"\ncheckpoint {size / GB:.2f} GB | largest tensor {m(largest)} | largest layer {m(layer)} | "
-          f"globals item {m(groups['globals'])} | budget (tensor + layer) {m(budget)}")
+          f"globals {m(groups['globals'])} (one item per tensor) | budget (tensor + layer) {m(budget)}")
     print(f"baseline RSS: import clover_jax.bridge {m(base['peak_rss'])}, "
           f"+ jax/orbax/checkpointer {m(base_ox['peak_rss'])}")
     rows = [("step", "peak RSS", "anon", "file", "maxrss", "ratio", "ratio-base", "time", "GB/s")]

@@ -1,7 +1,10 @@
 """HF safetensors <-> our params (per-layer numpy trees) <-> our Orbax params checkpoint.
 
-Everything streams layer by layer, so converting the 70 GB Qwen3.6-35B-A3B checkpoint holds about
-one layer plus the largest tensor in host memory:
+Everything streams layer by layer and global tensor by global tensor, so converting the 70 GB
+Qwen3.6-35B-A3B checkpoint holds about one layer or one global tensor in host memory: HF tensors are
+read in row blocks straight into their transposed (C-contiguous) Orbax layout, and written back as
+row blocks of the HF layout (`ShardedSafetensorsWriter.write_rows`), so no tensor ever sits next to
+its transposed copy.
 
 * `convert_hf_to_orbax(hf_dir, out_dir)`: HF dir (hub layout or `save_pretrained` layout) -> params
   checkpoint (`params_checkpoint.py`), recording the source's prefix / expert layout / dir;
@@ -29,8 +32,10 @@ from clover_jax import hf_keys as hk
 from clover_jax.config import ModelConfig, ModelConfigError
 from clover_jax.params import flatten
 from clover_jax.params_checkpoint import (
+    bounded_host_memory,
     manifest_dtypes,
-    read_params_checkpoint,
+    open_params_checkpoint,
+    release_host_memory,
     write_params_checkpoint,
 )
 from clover_jax.safetensors_io import CheckpointError, SafetensorsIndex, ShardedSafetensorsWriter
@@ -108,25 +113,24 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelConfigError(f"{path}: not valid JSON ({e})") from None
 
 
-def _read_tensors(ck: HFCheckpoint, keys: list[str]) -> dict[str, np.ndarray]:
-    return {k: ck.index.get(k) for k in keys}
-
-
 def read_hf_globals(ck: HFCheckpoint) -> Tree:
     """``{"embed", "final_norm", "lm_head"?}`` of an opened checkpoint."""
-    keys = list(hk.expected_hf_shapes(hk.global_rules(ck.cfg, ck.layout)))
-    return hk.hf_to_globals(ck.cfg, ck.layout, _read_tensors(ck, keys), source=str(ck.dir))
+    return hk.hf_to_globals(ck.cfg, ck.layout, ck.index, source=str(ck.dir))
+
+
+def _iter_globals(ck: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """(flat key, array) per global tensor, each read only when asked for (so one at a time)."""
+    return hk.iter_hf_globals(ck.cfg, ck.layout, ck.index, source=str(ck.dir))
 
 
 def _iter_layers(ck: HFCheckpoint) -> Iterator[Tree]:
     for i in range(ck.cfg.num_hidden_layers):
-        # read exactly this layer's tensors, convert, hand over; the next layer is read only when
-        # the consumer asks for it (after it has written this one)
-        keys = list(hk.expected_hf_shapes(hk.layer_rules(ck.cfg, ck.layout, i)))
-        logger.debug("%s: reading layer %d (%d tensors)", ck.dir, i, len(keys))
+        # read exactly this layer's tensors (in row blocks, into contiguous outputs), hand over;
+        # the next layer is read only when the consumer asks for it (after it has written this one)
+        logger.debug("%s: reading layer %d", ck.dir, i)
         # no local name for the layer: a suspended generator would keep it alive while the next
         # layer is read, doubling peak memory
-        yield hk.hf_to_layer(ck.cfg, ck.layout, i, _read_tensors(ck, keys), source=str(ck.dir))
+        yield hk.hf_to_layer(ck.cfg, ck.layout, i, ck.index, source=str(ck.dir))
 
 
 def iter_hf_layers(hf_dir: str | Path, cfg: ModelConfig | None = None) -> Iterator[Tree]:
@@ -155,9 +159,9 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, overwrite: b
         "converting %s (%s, prefix %r, %s experts, %d layers) -> %s",
         ck.dir, ck.model_type, ck.layout.prefix, ck.layout.expert_layout, ck.cfg.num_hidden_layers, out_dir,
     )
-    # globals passed as a temporary: write_params_checkpoint drops it once saved
+    # globals as a lazy iterator: each HF global is read just before it is saved, then dropped
     return write_params_checkpoint(
-        out_dir, ck.cfg, read_hf_globals(ck), _iter_layers(ck), source_info=ck.source_info(),
+        out_dir, ck.cfg, _iter_globals(ck), _iter_layers(ck), source_info=ck.source_info(),
         overwrite=overwrite,
     )
 
@@ -176,7 +180,7 @@ def _write_hf_dir(
     layout: hk.HFLayout,
     out: Path,
     *,
-    take_globals: Callable[[], Tree],
+    read_global: Callable[[str], Any],
     globals_dtypes: dict[str, np.dtype],
     layer_dtypes: Callable[[int], dict[str, np.dtype]],
     read_layer: Callable[[int], Tree],
@@ -185,21 +189,24 @@ def _write_hf_dir(
     overwrite: bool,
 ) -> Path:
     """The streaming core shared by `export_orbax_to_hf` and `write_hf`: plans every shard from
-    shapes and dtypes, then writes globals and one layer at a time.
+    shapes and dtypes, then writes one global tensor and one layer at a time.
 
-    ``take_globals()`` hands over the only reference to the globals, so the embedding and head
-    (GBs at 35B) are freed once written instead of living through the layer loop."""
+    ``read_global(flat_key)`` is called for each global tensor just before its HF tensor is
+    written, and the result is dropped right after, so the embedding and head (GBs at 35B) are
+    never in memory together. Every HF tensor goes out as row blocks (`write_rows`): a transposed
+    or concatenated tensor is never materialised whole."""
     plan = hk.globals_hf_specs(cfg, layout, globals_dtypes)
     for i in range(cfg.num_hidden_layers):
         plan += hk.layer_hf_specs(cfg, layout, i, layer_dtypes(i))
-    with ShardedSafetensorsWriter(out, max_shard_bytes, overwrite=overwrite) as w:
+    with bounded_host_memory(), ShardedSafetensorsWriter(out, max_shard_bytes, overwrite=overwrite) as w:
         w.plan(plan)
-        for key, arr in hk.globals_to_hf(cfg, layout, take_globals()):
-            w.write(key, arr)
-        del key, arr
+        for key, blocks in hk.iter_globals_to_hf_blocks(cfg, layout, read_global):
+            w.write_rows(key, blocks)
+            release_host_memory()
         for i in range(cfg.num_hidden_layers):
-            for key, arr in hk.iter_layer_to_hf(cfg, layout, i, read_layer(i)):
-                w.write(key, arr)
+            for key, blocks in hk.iter_layer_to_hf_blocks(cfg, layout, i, read_layer(i)):
+                w.write_rows(key, blocks)
+            release_host_memory()
     _write_configs(cfg, out, source_dir, globals_dtypes["embed.embedding"].name)
     logger.info("wrote HF checkpoint %s (prefix %r, %s experts)", out, layout.prefix, layout.expert_layout)
     return out
@@ -257,18 +264,17 @@ def export_orbax_to_hf(
     generation_config.json come from the recorded source dir when it still exists.
     """
     _check_format(format)
-    cfg, info, globals_tree, read_layer = read_params_checkpoint(ckpt_dir)
+    ck = open_params_checkpoint(ckpt_dir)
+    cfg, info = ck.cfg, ck.info
     src = info.get("source", {})
     layout = hk.HFLayout(
         prefix or src.get("hf_prefix", DEFAULT_LAYOUT.prefix),
         expert_layout or src.get("expert_layout", DEFAULT_LAYOUT.expert_layout),
     )
     source_dir = Path(src["hf_dir"]) if src.get("hf_dir") else None
-    box = [globals_tree]
-    del globals_tree
     return _write_hf_dir(
-        cfg, layout, Path(out_dir), take_globals=box.pop, globals_dtypes=manifest_dtypes(info, "globals"),
-        layer_dtypes=lambda i: manifest_dtypes(info, i), read_layer=read_layer,
+        cfg, layout, Path(out_dir), read_global=ck.read_global, globals_dtypes=manifest_dtypes(info, "globals"),
+        layer_dtypes=lambda i: manifest_dtypes(info, i), read_layer=ck.read_layer,
         source_dir=source_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
     )
 
@@ -292,9 +298,10 @@ def write_hf(
     if len(layers) != cfg.num_hidden_layers:
         raise CheckpointError(f"tree has {len(layers)} layers, config has {cfg.num_hidden_layers}")
     globals_tree = {k: v for k, v in per_layer_tree.items() if k != "layers"}
+    flat_globals = flatten(globals_tree)
     return _write_hf_dir(
         cfg, hk.HFLayout(prefix, expert_layout), Path(out_dir),
-        take_globals=lambda: _to_host(globals_tree), globals_dtypes=_dtypes(globals_tree),
+        read_global=lambda k: np.asarray(flat_globals[k]), globals_dtypes=_dtypes(globals_tree),
         layer_dtypes=lambda i: _dtypes(layers[i]),
         read_layer=lambda i: _to_host(layers[i]),
         source_dir=Path(source_dir) if source_dir else None,

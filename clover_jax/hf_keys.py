@@ -28,21 +28,29 @@ HF tensor                                              HF shape                 
 ``L mlp.shared_expert.{gate,up,down}_proj.weight``     [out, in]                   moe.shared_*_proj.kernel
 ``L mlp.shared_expert_gate.weight``                    [1, D]                      moe.shared_gate.kernel [D, 1]
 =====================================================  ==========================  =====================
+
+Streaming: `hf_to_layer` / `hf_to_globals` also take a `TensorSource` (a `SafetensorsIndex`)
+instead of a dict, and then read each HF tensor in row blocks straight into C-contiguous outputs,
+so an HF tensor and its transposed copy never coexist; `iter_layer_to_hf_blocks` /
+`iter_globals_to_hf_blocks` go the other way one HF tensor at a time, each as an iterator of
+C-contiguous row blocks (`ShardedSafetensorsWriter.write_rows`), so a transposed or concatenated
+HF tensor is never materialised whole.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from itertools import chain
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from clover_jax.config import FULL, ModelConfig
 from clover_jax.params import flatten, global_param_shapes, layer_param_shapes, unflatten
-from clover_jax.safetensors_io import CheckpointError
+from clover_jax.safetensors_io import CheckpointError, row_blocks, rows_per_block, tiled_copy
 
 logger = logging.getLogger(__name__)
 
@@ -337,34 +345,145 @@ def _apply_to_ours(rule: _Rule, arrays: list[np.ndarray]) -> list[np.ndarray]:
     raise AssertionError(k)
 
 
-def _to_ours(rules: list[_Rule], tensors: Mapping[str, np.ndarray], source: str) -> Tree:
-    flat: dict[str, np.ndarray] = {}
+@runtime_checkable
+class TensorSource(Protocol):
+    """Where streaming conversion reads HF tensors from (`SafetensorsIndex` is one)."""
+
+    def __contains__(self, key: object) -> bool: ...
+    def shape(self, key: str) -> tuple[int, ...]: ...
+    def dtype(self, key: str) -> np.dtype: ...
+    def get(self, key: str) -> np.ndarray: ...
+    def get_rows(self, key: str, start: int, stop: int) -> np.ndarray: ...
+
+
+def _is_source(tensors: Any) -> bool:
+    return not isinstance(tensors, Mapping) and isinstance(tensors, TensorSource)
+
+
+def _checked_keys(rule: _Rule, src: TensorSource, source: str) -> np.dtype:
+    """Checks presence and shape of a rule's HF tensors in ``src``; returns their (common) dtype."""
+    for key, shape in zip(rule.hf, rule.hf_shapes()):
+        if key not in src:
+            raise HFMappingError(f"{source}: missing tensor {key!r}")
+        got = tuple(src.shape(key))
+        if got != tuple(shape):
+            raise HFMappingError(f"{source}: tensor {key!r} has shape {got}, expected {tuple(shape)}")
+    dts = [np.dtype(src.dtype(k)) for k in rule.hf]
+    for k, dt in zip(rule.hf[1:], dts[1:]):
+        if dt != dts[0]:
+            raise HFMappingError(
+                f"{k!r} has dtype {dt} but {rule.hf[0]!r} has {dts[0]}; they share one HF tensor"
+            )
+    return dts[0]
+
+
+def _row_ranges(n_rows: int, shape: Shape, itemsize: int, max_bytes: int | None) -> Iterator[tuple[int, int]]:
+    step = rows_per_block(shape, itemsize, max_bytes)
+    for start in range(0, n_rows, step):
+        yield start, min(start + step, n_rows)
+
+
+def _fill_from_source(rule: _Rule, src: TensorSource, source: str, max_bytes: int | None) -> list[np.ndarray]:
+    """Our (C-contiguous) leaves of one rule, read from ``src`` in row blocks of ~``max_bytes``:
+    peak memory is the outputs plus one block, never the HF tensor next to its transposed copy."""
+    dt = _checked_keys(rule, src, source)
+    k, hf, hf_shape = rule.kind, rule.hf[0], rule.hf_shapes()[0]
+    if k == "copy":
+        return [src.get(hf)]  # a fresh contiguous array already
+    outs = [np.empty(sh, dt) for sh in rule.our_shapes]
+    if k == "T":  # HF [a, b] -> ours [b, a]
+        (out,) = outs
+        for r0, r1 in _row_ranges(hf_shape[0], hf_shape, dt.itemsize, max_bytes):
+            tiled_copy(out[:, r0:r1].T, src.get_rows(hf, r0, r1))
+    elif k == "rows":  # HF [sum parts, D] -> ours [D, part] each
+        start = 0
+        for out in outs:
+            part = out.shape[1]
+            for r0, r1 in _row_ranges(part, hf_shape, dt.itemsize, max_bytes):
+                tiled_copy(out[:, r0:r1].T, src.get_rows(hf, start + r0, start + r1))
+            start += part
+    elif k == "conv":  # HF [C, 1, K] -> ours [K, part] each (small: read whole)
+        a, start = src.get(hf), 0
+        for out in outs:
+            out[...] = a[start:start + out.shape[1], 0, :].T
+            start += out.shape[1]
+    elif k == "gate_up":  # HF [E, 2I, D] -> ours [E, D, I] x2, expert block by expert block
+        gate, up = outs
+        i = rule.our_shapes[0][2]
+        for e0, e1 in _row_ranges(hf_shape[0], hf_shape, dt.itemsize, max_bytes):
+            blk = src.get_rows(hf, e0, e1)
+            tiled_copy(gate[e0:e1].transpose(0, 2, 1), blk[:, :i, :])
+            tiled_copy(up[e0:e1].transpose(0, 2, 1), blk[:, i:, :])
+            del blk
+    elif k == "down":  # HF [E, D, I] -> ours [E, I, D]
+        (out,) = outs
+        for e0, e1 in _row_ranges(hf_shape[0], hf_shape, dt.itemsize, max_bytes):
+            tiled_copy(out[e0:e1].transpose(0, 2, 1), src.get_rows(hf, e0, e1))
+    elif k == "experts":  # E HF tensors [b, a] -> ours [E, a, b]
+        (out,) = outs
+        for e, key in enumerate(rule.hf):
+            tiled_copy(out[e].T, src.get(key))
+    else:
+        raise AssertionError(k)
+    return outs
+
+
+def _iter_to_ours(
+    rules: list[_Rule], tensors: Mapping[str, np.ndarray] | TensorSource, source: str, max_bytes: int | None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(our flat key, leaf) rule by rule; a `TensorSource` is read only as each rule needs it."""
+    stream = _is_source(tensors)
     for r in rules:
+        if stream:
+            yield from zip(r.ours, _fill_from_source(r, tensors, source, max_bytes))
+            continue
         arrays = []
         for key, shape in zip(r.hf, r.hf_shapes()):
             if key not in tensors:
                 raise HFMappingError(f"{source}: missing tensor {key!r}")
             _check_shape(key, tensors[key], shape, source)
             arrays.append(np.asarray(tensors[key]))
-        flat.update(zip(r.ours, _apply_to_ours(r, arrays)))
-    return unflatten(flat)
+        yield from zip(r.ours, _apply_to_ours(r, arrays))
+        del arrays
+
+
+def _to_ours(
+    rules: list[_Rule], tensors: Mapping[str, np.ndarray] | TensorSource, source: str,
+    max_bytes: int | None = None,
+) -> Tree:
+    return unflatten(dict(_iter_to_ours(rules, tensors, source, max_bytes)))
 
 
 def hf_to_layer(
-    cfg: ModelConfig, layout: HFLayout, i: int, tensors: Mapping[str, np.ndarray], *, source: str = "checkpoint"
+    cfg: ModelConfig, layout: HFLayout, i: int, tensors: Mapping[str, np.ndarray] | TensorSource, *,
+    source: str = "checkpoint", max_block_bytes: int | None = None,
 ) -> Tree:
     """HF tensors of layer ``i`` (at least ``layer_rules(...)``'s keys) -> our per-layer dict.
 
-    Leaves may be views of the HF arrays (transposes, row slices); dtypes are the source's.
+    From a dict, leaves may be views of the HF arrays (transposes, row slices); from a
+    `TensorSource` (e.g. a `SafetensorsIndex`), each leaf is a fresh C-contiguous array filled from
+    row blocks of ~``max_block_bytes`` (default `safetensors_io.BLOCK_BYTES`), so peak memory is
+    the layer plus one block. Dtypes are the source's either way.
     """
-    return _to_ours(layer_rules(cfg, layout, i), tensors, source)
+    return _to_ours(layer_rules(cfg, layout, i), tensors, source, max_block_bytes)
 
 
 def hf_to_globals(
-    cfg: ModelConfig, layout: HFLayout, tensors: Mapping[str, np.ndarray], *, source: str = "checkpoint"
+    cfg: ModelConfig, layout: HFLayout, tensors: Mapping[str, np.ndarray] | TensorSource, *,
+    source: str = "checkpoint", max_block_bytes: int | None = None,
 ) -> Tree:
     """HF embedding / final norm / head -> ``{"embed", "final_norm", "lm_head"?}``."""
-    return _to_ours(global_rules(cfg, layout), tensors, source)
+    return _to_ours(global_rules(cfg, layout), tensors, source, max_block_bytes)
+
+
+def iter_hf_globals(
+    cfg: ModelConfig, layout: HFLayout, tensors: Mapping[str, np.ndarray] | TensorSource, *,
+    source: str = "checkpoint", max_block_bytes: int | None = None,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """``(flat key, leaf)`` of the globals one at a time (``"embed.embedding"``,
+    ``"final_norm.scale"``, ``"lm_head.kernel"``): from a `TensorSource` each HF tensor is read only
+    when its leaf is asked for, so a consumer that drops each leaf before the next holds one."""
+    return _iter_to_ours(global_rules(cfg, layout), tensors, source, max_block_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,31 +506,68 @@ def _our_leaves(rules: list[_Rule], tree: Tree, where: str) -> dict[str, Any]:
     return flat
 
 
-def _apply_to_hf(rule: _Rule, arrays: list[np.ndarray]) -> list[np.ndarray]:
+def _gate_up_blocks(gate: np.ndarray, up: np.ndarray, max_bytes: int | None) -> Iterator[np.ndarray]:
+    """HF ``gate_up_proj`` [E, 2I, D] (gate rows first) from ours [E, D, I] x2, a few experts at a time."""
+    e, d, i = gate.shape
+    n = rows_per_block((e, 2 * i, d), gate.itemsize, max_bytes)
+    for e0 in range(0, e, n):
+        e1 = min(e0 + n, e)
+        out = np.empty((e1 - e0, 2 * i, d), gate.dtype)  # (np.concatenate would not be C-ordered)
+        tiled_copy(out[:, :i, :], gate[e0:e1].transpose(0, 2, 1))
+        tiled_copy(out[:, i:, :], up[e0:e1].transpose(0, 2, 1))
+        yield out
+        del out
+
+
+def _hf_blocks(rule: _Rule, arrays: list[np.ndarray], max_bytes: int | None) -> list[tuple[str, Iterator[np.ndarray]]]:
+    """``[(hf_key, blocks)]`` of one rule: each HF tensor as lazy C-contiguous leading-axis blocks of
+    ~``max_bytes`` (an already contiguous leaf is its own single block, uncopied)."""
     k = rule.kind
     if k == "copy":
-        return [np.ascontiguousarray(arrays[0])]
+        return [(rule.hf[0], row_blocks(arrays[0], max_bytes))]
     if k == "T":
-        return [np.ascontiguousarray(arrays[0].T)]
+        return [(rule.hf[0], row_blocks(arrays[0].T, max_bytes))]
     _same_dtype(rule.ours, arrays)
     if k == "rows":
-        return [np.concatenate([a.T for a in arrays], axis=0)]
+        return [(rule.hf[0], chain.from_iterable(row_blocks(a.T, max_bytes) for a in arrays))]
     if k == "conv":
-        return [np.concatenate([a.T for a in arrays], axis=0)[:, None, :]]
+        return [(rule.hf[0], chain.from_iterable(row_blocks(a.T[:, None, :], max_bytes) for a in arrays))]
     if k == "gate_up":
-        return [np.concatenate([a.transpose(0, 2, 1) for a in arrays], axis=1)]
+        return [(rule.hf[0], _gate_up_blocks(arrays[0], arrays[1], max_bytes))]
     if k == "down":
-        return [np.ascontiguousarray(arrays[0].transpose(0, 2, 1))]
+        return [(rule.hf[0], row_blocks(arrays[0].transpose(0, 2, 1), max_bytes))]
     if k == "experts":
-        return [np.ascontiguousarray(e.T) for e in arrays[0]]
+        return [(key, row_blocks(e.T, max_bytes)) for key, e in zip(rule.hf, arrays[0])]
     raise AssertionError(k)
+
+
+def _assemble(shape: Shape, dtype: np.dtype, blocks: Iterable[np.ndarray]) -> np.ndarray:
+    """One C-contiguous array from row blocks (a single whole block is returned as is)."""
+    out, row = None, 0
+    for b in blocks:
+        if out is None:
+            if b.shape == tuple(shape):
+                return b
+            out = np.empty(shape, dtype)
+        out[row:row + b.shape[0]] = b
+        row += b.shape[0]
+    return out if out is not None else np.empty(shape, dtype)
+
+
+def _iter_to_hf_blocks(
+    rules: list[_Rule], tree: Tree, where: str, max_bytes: int | None
+) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
+    flat = _our_leaves(rules, tree, where)
+    for r in rules:
+        yield from _hf_blocks(r, [np.asarray(flat[k]) for k in r.ours], max_bytes)
 
 
 def _iter_to_hf(rules: list[_Rule], tree: Tree, where: str) -> Iterator[tuple[str, np.ndarray]]:
     flat = _our_leaves(rules, tree, where)
     for r in rules:
         arrays = [np.asarray(flat[k]) for k in r.ours]
-        yield from zip(r.hf, _apply_to_hf(r, arrays))
+        for (key, blocks), shape in zip(_hf_blocks(r, arrays, None), r.hf_shapes()):
+            yield key, _assemble(shape, arrays[0].dtype, blocks)
 
 
 def _to_hf(rules: list[_Rule], tree: Tree, where: str) -> list[tuple[str, np.ndarray]]:
@@ -429,9 +585,44 @@ def iter_layer_to_hf(cfg: ModelConfig, layout: HFLayout, i: int, layer: Tree) ->
     return _iter_to_hf(layer_rules(cfg, layout, i), layer, f"layer {i}")
 
 
+def iter_layer_to_hf_blocks(
+    cfg: ModelConfig, layout: HFLayout, i: int, layer: Tree, *, max_block_bytes: int | None = None
+) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
+    """``(hf_key, blocks)`` per HF tensor of layer ``i``, in `layer_hf_specs` order; ``blocks`` yields
+    the tensor as consecutive C-contiguous leading-axis blocks of ~``max_block_bytes`` (default
+    `safetensors_io.BLOCK_BYTES`; what `ShardedSafetensorsWriter.write_rows` takes), so a
+    transposed / concatenated HF tensor never exists whole. Consume each ``blocks`` before the
+    next ``next``."""
+    return _iter_to_hf_blocks(layer_rules(cfg, layout, i), layer, f"layer {i}", max_block_bytes)
+
+
 def globals_to_hf(cfg: ModelConfig, layout: HFLayout, globals_tree: Tree) -> list[tuple[str, np.ndarray]]:
     """Our globals (``embed``, ``final_norm``, ``lm_head``) -> ordered ``[(hf_key, array)]``."""
     return _to_hf(global_rules(cfg, layout), globals_tree, "globals")
+
+
+def iter_globals_to_hf_blocks(
+    cfg: ModelConfig, layout: HFLayout, globals_: Tree | Callable[[str], Any], *,
+    max_block_bytes: int | None = None,
+) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
+    """`iter_layer_to_hf_blocks` for the globals. ``globals_`` is the globals tree, or a function
+    ``flat key -> array`` (e.g. ``"lm_head.kernel"``) that is called for each leaf only when its HF
+    tensor is next, and whose result is dropped once that tensor's blocks are consumed: with a
+    checkpoint reader behind it, one global is in memory at a time."""
+    rules = global_rules(cfg, layout)
+    if not callable(globals_):
+        yield from _iter_to_hf_blocks(rules, globals_, "globals", max_block_bytes)
+        return
+    for r in rules:
+        arrays = []
+        for key, shape in zip(r.ours, r.our_shapes):
+            arrays.append(np.asarray(globals_(key)))
+            if tuple(arrays[-1].shape) != shape:
+                raise HFMappingError(
+                    f"globals: param {key!r} has shape {tuple(arrays[-1].shape)}, expected {shape}"
+                )
+        yield from _hf_blocks(r, arrays, max_block_bytes)
+        del arrays  # before the next global is read
 
 
 def _specs(rules: list[_Rule], dtypes: Mapping[str, Any], where: str) -> list[tuple[str, Shape, np.dtype]]:
@@ -467,6 +658,7 @@ def globals_hf_specs(
 __all__ = [
     "EXPERT_LAYOUTS", "FUSED", "HFLayout", "HFMappingError", "HUB_PREFIX", "LM_HEAD_KEY", "PER_EXPERT",
     "PLAIN_PREFIX", "TEXT_PREFIXES", "all_expected_keys", "check_tensor_names", "detect_layout",
-    "expected_hf_shapes", "global_rules", "globals_hf_specs", "globals_to_hf", "hf_to_globals",
-    "hf_to_layer", "iter_layer_to_hf", "layer_hf_specs", "layer_rules", "layer_to_hf",
+    "TensorSource", "expected_hf_shapes", "global_rules", "globals_hf_specs", "globals_to_hf", "hf_to_globals",
+    "hf_to_layer", "iter_globals_to_hf_blocks", "iter_hf_globals", "iter_layer_to_hf", "iter_layer_to_hf_blocks",
+    "layer_hf_specs", "layer_rules", "layer_to_hf",
 ]

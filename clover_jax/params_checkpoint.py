@@ -1,16 +1,25 @@
-"""Our Orbax params checkpoint: per-layer items, streamed, written atomically.
+"""Our Orbax params checkpoint: one Orbax item per layer and per global tensor, streamed, atomic.
 
-Layout of a checkpoint directory::
+Layout of a checkpoint directory (format version 2)::
 
-    model_config.json      dataclasses.asdict(ModelConfig)
-    clover_ckpt.json       format + version, num_layers, source info, per-item manifest; written LAST
-    globals/               Orbax item: {"embed": {"embedding" [V, D]}, "final_norm": {"scale" [D]},
-                           "lm_head": {"kernel" [D, V]} (absent if tied)}
-    layers/000/ ...        one Orbax item per decoder layer: the per-layer dict of `params.py`
+    model_config.json             dataclasses.asdict(ModelConfig)
+    clover_ckpt.json              format + version, num_layers, source info, per-item manifest; written LAST
+    globals/embed.embedding/      Orbax item {"embed": {"embedding" [V, D]}}
+    globals/final_norm.scale/     Orbax item {"final_norm": {"scale" [D]}}
+    globals/lm_head.kernel/       Orbax item {"lm_head": {"kernel" [D, V]}} (absent if tied)
+    layers/000/ ...               one Orbax item per decoder layer: the per-layer dict of `params.py`
 
-One item per layer is what makes it streaming: a 35B checkpoint is 70 GB, and both `convert` and
-`export` hold only one layer (plus the largest tensor of the conversion) in host memory. Leaves are
-numpy arrays in their source dtypes (bf16 as ml_dtypes.bfloat16), so HF -> here -> HF is byte exact.
+One item per layer and per global tensor is what makes it streaming: a 35B checkpoint is 70 GB, and
+both `convert` and `export` hold only one layer, or one global tensor, in host memory (version 1
+kept the embedding and the head in one ``globals/`` item, so both were read at once; it is still
+read, at that cost). Leaves are numpy arrays in their source dtypes (bf16 as ml_dtypes.bfloat16), so
+HF -> here -> HF is byte exact.
+
+Host memory while streaming: arrays are stored in chunks of at most `OCDBT_TARGET_BYTES`, with
+OCDBT data files of that size, so a save never buffers a whole compressed item and a restore never
+decodes a whole array next to its copy; `bounded_host_memory` (glibc only) makes the allocator
+return those chunk-sized buffers to the OS instead of caching them, and `release_host_memory`
+(``malloc_trim``) runs after each item.
 
 Atomicity: everything is written into a hidden temp sibling ``.{name}.partial-*`` and renamed into
 place at the very end, so an interrupted write never leaves a directory at ``out_dir``; and a
@@ -19,13 +28,18 @@ directory without ``clover_ckpt.json`` is refused by the reader as incomplete.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import json
 import logging
 import os
+import platform
 import shutil
+import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +47,24 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy, for np.dty
 import numpy as np
 
 from clover_jax.config import ModelConfig
-from clover_jax.params import flatten, global_param_shapes, layer_param_shapes
+from clover_jax.params import flatten, global_param_shapes, layer_param_shapes, unflatten
 from clover_jax.safetensors_io import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "clover-jax-params"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this code reads: 1 had all globals in one ``globals/`` item (read whole; more memory).
+READABLE_VERSIONS = (1, 2)
 INFO_FILE = "clover_ckpt.json"
 CONFIG_FILE = "model_config.json"
-GLOBALS_ITEM = "globals"
+GLOBALS_DIR = "globals"
+GLOBALS_ITEM = GLOBALS_DIR  # version 1: the single globals item
 LAYERS_DIR = "layers"
+#: OCDBT data file size and (so, via Orbax) the largest chunk of a stored array. Orbax's default
+#: (2 GiB, and whole-array chunks below it) makes a save buffer a whole compressed item and a
+#: restore decode a whole array next to its copy; 16 MiB keeps both to a few chunks.
+OCDBT_TARGET_BYTES = 16 * 2**20
 
 Tree = dict[str, Any]
 LayerReader = Callable[[int], Tree]
@@ -51,6 +72,73 @@ LayerReader = Callable[[int], Tree]
 
 def _layer_item(i: int) -> str:
     return f"{LAYERS_DIR}/{i:03d}"
+
+
+def _global_item(key: str) -> str:
+    """Item path of one global tensor by its flat key, e.g. ``globals/lm_head.kernel``."""
+    return f"{GLOBALS_DIR}/{key}"
+
+
+# --------------------------------------------------------------------------------------------
+# host memory (glibc)
+# --------------------------------------------------------------------------------------------
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+#: Allocations at least this big get their own mmap, returned to the OS on free.
+MMAP_THRESHOLD_BYTES = 1 << 20
+_GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # what glibc's dynamic threshold grows to on 64-bit hosts
+_libc_cache: list[Any] = []
+_bounded_lock = threading.Lock()
+_bounded_depth = 0
+
+
+def _glibc() -> Any | None:
+    """The process's glibc (ctypes) or None elsewhere (musl, macOS, ...): the tuning is glibc's."""
+    if not _libc_cache:
+        lib = None
+        if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+            try:
+                lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                lib.malloc_trim, lib.mallopt  # noqa: B018  (both must exist)
+            except (OSError, AttributeError):
+                lib = None
+        _libc_cache.append(lib)
+    return _libc_cache[0]
+
+
+def release_host_memory() -> None:
+    """Hands memory freed by the last item (compression / decode buffers in glibc's arenas) back to
+    the OS: ``malloc_trim(0)``. A no-op off glibc."""
+    lib = _glibc()
+    if lib is not None:
+        lib.malloc_trim(0)
+
+
+@contextlib.contextmanager
+def bounded_host_memory() -> Iterator[None]:
+    """For a streaming convert / export: glibc mmaps every allocation of `MMAP_THRESHOLD_BYTES` or
+    more for the duration (``mallopt(M_MMAP_THRESHOLD)``), so the chunk-sized buffers that
+    tensorstore allocates and frees on its threads go back to the OS at once instead of piling up in
+    per-thread arenas (glibc's default threshold grows to 32 MiB after the first such free, and then
+    caches them: +50% RSS on a restore). On exit the threshold becomes 32 MiB, glibc's own ceiling,
+    and freed memory is trimmed. Re-entrant; a no-op off glibc."""
+    global _bounded_depth
+    lib = _glibc()
+    if lib is None:
+        yield
+        return
+    with _bounded_lock:
+        _bounded_depth += 1
+        if _bounded_depth == 1:
+            lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    try:
+        yield
+    finally:
+        with _bounded_lock:
+            _bounded_depth -= 1
+            if _bounded_depth == 0:
+                lib.mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_MAX)
+        release_host_memory()
 
 
 def _checkpointer() -> Any:
@@ -151,13 +239,44 @@ def _prepare_target(out: Path, overwrite: bool) -> None:
 def _save_item(ckptr: Any, path: Path, tree: Tree) -> None:
     import orbax.checkpoint as ocp
 
-    ckptr.save(path, args=ocp.args.PyTreeSave(tree))  # synchronous: one layer in flight at a time
+    # synchronous: one item in flight at a time; bounded data files => chunked arrays (see
+    # OCDBT_TARGET_BYTES), so neither the compressed item nor a whole-array chunk is ever buffered
+    ckptr.save(path.absolute(), args=ocp.args.PyTreeSave(tree, ocdbt_target_data_file_size=OCDBT_TARGET_BYTES))
+    release_host_memory()
+
+
+def _iter_global_pairs(globals_: Tree | Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    if isinstance(globals_, Mapping):
+        return iter(flatten(globals_).items())
+    return iter(globals_)
+
+
+def _save_globals(ckptr: Any, tmp: Path, cfg: ModelConfig, globals_: Tree | Iterable[tuple[str, Any]]) -> dict:
+    """Saves each global tensor as its own item, in the order given; returns the manifest entries."""
+    want = {k: tuple(v) for k, v in flatten(global_param_shapes(cfg)).items()}
+    manifest: dict[str, list] = {}
+    (tmp / GLOBALS_DIR).mkdir()
+    for key, arr in _iter_global_pairs(globals_):
+        if key not in want:
+            raise CheckpointError(f"globals: unexpected param {key!r} (expected {sorted(want)})")
+        if key in manifest:
+            raise CheckpointError(f"globals: param {key!r} given twice")
+        arr = np.asarray(arr)
+        if tuple(arr.shape) != want[key]:
+            raise CheckpointError(f"globals: param {key!r} has shape {tuple(arr.shape)}, expected {want[key]}")
+        _save_item(ckptr, tmp / _global_item(key), unflatten({key: arr}))
+        manifest[key] = [list(arr.shape), np.dtype(arr.dtype).name]
+        del arr  # the embedding and head are GBs at 35B: never two of them at once
+    missing = [k for k in want if k not in manifest]
+    if missing:
+        raise CheckpointError(f"globals: missing param {missing[0]!r}")
+    return manifest
 
 
 def write_params_checkpoint(
     out_dir: str | Path,
     cfg: ModelConfig,
-    globals_tree: Tree,
+    globals_tree: Tree | Iterable[tuple[str, Any]],
     layer_iter: Iterable[Tree],
     *,
     source_info: dict[str, Any] | None = None,
@@ -165,6 +284,11 @@ def write_params_checkpoint(
 ) -> Path:
     """Writes a params checkpoint, consuming ``layer_iter`` (per-layer dicts, layer 0 first) one
     layer at a time. Shapes are validated against `params.layer_param_shapes` / `global_param_shapes`.
+
+    ``globals_tree``: the globals tree (``{"embed", "final_norm", "lm_head"?}``), or an iterable of
+    ``(flat key, array)`` pairs (``"embed.embedding"``, ...) consumed one at a time, each saved as
+    its own item and dropped before the next is asked for: a generator that reads each tensor only
+    when asked (`hf_keys.iter_hf_globals` does) keeps one global tensor in memory.
 
     ``source_info`` (JSON-able) is recorded in ``clover_ckpt.json``; the HF bridge stores
     ``hf_dir``, ``hf_prefix``, ``expert_layout``, ``model_type`` there so export reproduces names.
@@ -177,26 +301,24 @@ def write_params_checkpoint(
     tmp.mkdir()
     ckptr = _checkpointer()
     try:
-        g = _as_numpy_tree(globals_tree)
-        _check_shapes(g, global_param_shapes(cfg), "globals")
-        _save_item(ckptr, tmp / GLOBALS_ITEM, g)
-        manifest = {"globals": _manifest(g), "layers": []}
-        del g, globals_tree  # the embedding and head are GBs at 35B: do not keep them while layers stream
-        (tmp / LAYERS_DIR).mkdir()
-        n = 0
-        # no enumerate(): its cached result tuple would keep the previous layer alive while the
-        # next one is read, doubling peak memory
-        for layer in layer_iter:
-            if n >= cfg.num_hidden_layers:
-                raise CheckpointError(
-                    f"layer_iter yields more than num_hidden_layers={cfg.num_hidden_layers} layers"
-                )
-            layer = _as_numpy_tree(layer)
-            _check_shapes(layer, layer_param_shapes(cfg, n), f"layer {n}")
-            _save_item(ckptr, tmp / _layer_item(n), layer)
-            manifest["layers"].append(_manifest(layer))
-            del layer
-            n += 1
+        with bounded_host_memory():
+            manifest = {"globals": _save_globals(ckptr, tmp, cfg, globals_tree), "layers": []}
+            del globals_tree
+            (tmp / LAYERS_DIR).mkdir()
+            n = 0
+            # no enumerate(): its cached result tuple would keep the previous layer alive while the
+            # next one is read, doubling peak memory
+            for layer in layer_iter:
+                if n >= cfg.num_hidden_layers:
+                    raise CheckpointError(
+                        f"layer_iter yields more than num_hidden_layers={cfg.num_hidden_layers} layers"
+                    )
+                layer = _as_numpy_tree(layer)
+                _check_shapes(layer, layer_param_shapes(cfg, n), f"layer {n}")
+                _save_item(ckptr, tmp / _layer_item(n), layer)
+                manifest["layers"].append(_manifest(layer))
+                del layer
+                n += 1
         if n != cfg.num_hidden_layers:
             raise CheckpointError(f"layer_iter yielded {n} layers, config has {cfg.num_hidden_layers}")
         (tmp / CONFIG_FILE).write_text(json.dumps(config_to_json(cfg), indent=2) + "\n")
@@ -247,11 +369,12 @@ def _restore_item(path: Path) -> Tree:
         raise CheckpointError(f"{path}: Orbax item missing from the params checkpoint")
     ckptr = _checkpointer()
     try:
-        tree = ckptr.restore(path)
+        tree = ckptr.restore(path.absolute())  # orbax wants absolute paths
     except Exception as e:  # orbax raises assorted types (ValueError, FileNotFoundError, ...)
         raise CheckpointError(f"{path}: cannot restore Orbax item: {type(e).__name__}: {e}") from e
     finally:
         ckptr.close()
+        release_host_memory()  # the decode buffers
     return _as_numpy_tree(tree)
 
 
@@ -281,10 +404,10 @@ def read_params_info(ckpt_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]
         raise CheckpointError(f"{info_path}: not valid JSON ({e})") from None
     if info.get("format") != FORMAT:
         raise CheckpointError(f"{info_path}: format {info.get('format')!r} is not {FORMAT!r}")
-    if info.get("format_version") != FORMAT_VERSION:
+    if info.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{info_path}: format_version {info.get('format_version')!r} unsupported "
-            f"(this code reads {FORMAT_VERSION})"
+            f"(this code reads versions {', '.join(map(str, READABLE_VERSIONS))}; a newer clover_jax wrote it?)"
         )
     cfg_path = d / CONFIG_FILE
     if not cfg_path.is_file():
@@ -301,25 +424,74 @@ def read_params_info(ckpt_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]
     return cfg, info
 
 
-def read_params_checkpoint(ckpt_dir: str | Path) -> tuple[ModelConfig, dict[str, Any], Tree, LayerReader]:
-    """``(cfg, info, globals_tree, layer_reader)``; ``layer_reader(i)`` restores layer ``i`` only
-    (numpy leaves, checked against the manifest)."""
-    d = Path(ckpt_dir)
-    cfg, info = read_params_info(d)
-    manifest = info.get("manifest", {})
-    g = _restore_item(d / GLOBALS_ITEM)
-    if "globals" in manifest:
-        _check_manifest(g, manifest["globals"], str(d / GLOBALS_ITEM))
+class ParamsCheckpoint:
+    """An opened, complete params checkpoint; reads one item at a time, nothing up front.
 
-    def layer_reader(i: int) -> Tree:
-        if not 0 <= i < cfg.num_hidden_layers:
-            raise IndexError(f"{d}: layer {i} out of range [0, {cfg.num_hidden_layers})")
-        layer = _restore_item(d / _layer_item(i))
-        if manifest.get("layers"):
-            _check_manifest(layer, manifest["layers"][i], str(d / _layer_item(i)))
+    ``read_global("lm_head.kernel")`` restores one global tensor, ``read_layer(i)`` one layer (numpy
+    leaves, checked against the manifest). Version-1 checkpoints (one globals item) are read too: the
+    first `read_global` restores all globals and later calls hand them out."""
+
+    def __init__(self, ckpt_dir: str | Path):
+        self.dir = Path(ckpt_dir)
+        self.cfg, self.info = read_params_info(self.dir)
+        self.version: int = self.info["format_version"]
+        self._manifest = self.info.get("manifest", {})
+        self._v1_globals: dict[str, np.ndarray] = {}
+
+    @property
+    def global_keys(self) -> list[str]:
+        """Flat keys of the global tensors, in stored order."""
+        if "globals" in self._manifest:
+            return list(self._manifest["globals"])
+        return list(flatten(global_param_shapes(self.cfg)))
+
+    def read_global(self, key: str) -> np.ndarray:
+        if key not in self.global_keys:
+            raise CheckpointError(f"{self.dir}: no global param {key!r} (has {self.global_keys})")
+        if self.version == 1:
+            return self._read_v1_global(key)
+        path = self.dir / _global_item(key)
+        flat = flatten(_restore_item(path))
+        if set(flat) != {key}:
+            raise CheckpointError(f"{path}: holds params {sorted(flat)}, expected only {key!r}")
+        if "globals" in self._manifest:
+            _check_manifest(flat, {key: self._manifest["globals"][key]}, str(path))
+        return flat[key]
+
+    def _read_v1_global(self, key: str) -> np.ndarray:
+        if key not in self._v1_globals:
+            path = self.dir / GLOBALS_ITEM
+            g = _restore_item(path)
+            if "globals" in self._manifest:
+                _check_manifest(g, self._manifest["globals"], str(path))
+            self._v1_globals = flatten(g)
+            del g
+        return self._v1_globals.pop(key)  # handed over: the reader keeps no reference
+
+    def read_globals(self) -> Tree:
+        """All globals as a tree (``{"embed", "final_norm", "lm_head"?}``)."""
+        return unflatten({k: self.read_global(k) for k in self.global_keys})
+
+    def read_layer(self, i: int) -> Tree:
+        if not 0 <= i < self.cfg.num_hidden_layers:
+            raise IndexError(f"{self.dir}: layer {i} out of range [0, {self.cfg.num_hidden_layers})")
+        layer = _restore_item(self.dir / _layer_item(i))
+        if self._manifest.get("layers"):
+            _check_manifest(layer, self._manifest["layers"][i], str(self.dir / _layer_item(i)))
         return layer
 
-    return cfg, info, g, layer_reader
+
+def open_params_checkpoint(ckpt_dir: str | Path) -> ParamsCheckpoint:
+    """Opens a checkpoint for item-by-item reading (fails clearly if incomplete or unsupported)."""
+    return ParamsCheckpoint(ckpt_dir)
+
+
+def read_params_checkpoint(ckpt_dir: str | Path) -> tuple[ModelConfig, dict[str, Any], Tree, LayerReader]:
+    """``(cfg, info, globals_tree, layer_reader)``; ``layer_reader(i)`` restores layer ``i`` only
+    (numpy leaves, checked against the manifest). Reads every global tensor: for one at a time, use
+    `open_params_checkpoint(...).read_global`."""
+    ck = ParamsCheckpoint(ckpt_dir)
+    return ck.cfg, ck.info, ck.read_globals(), ck.read_layer
 
 
 def load_params_checkpoint(ckpt_dir: str | Path) -> tuple[ModelConfig, Tree]:
@@ -336,7 +508,8 @@ def manifest_dtypes(info: dict[str, Any], item: str | int) -> dict[str, np.dtype
 
 
 __all__ = [
-    "CONFIG_FILE", "FORMAT", "FORMAT_VERSION", "INFO_FILE", "config_from_json", "config_to_json",
-    "is_params_checkpoint", "load_params_checkpoint", "manifest_dtypes", "read_params_checkpoint",
-    "read_params_info", "write_params_checkpoint",
+    "CONFIG_FILE", "FORMAT", "FORMAT_VERSION", "INFO_FILE", "OCDBT_TARGET_BYTES", "ParamsCheckpoint",
+    "READABLE_VERSIONS", "bounded_host_memory", "config_from_json", "config_to_json", "is_params_checkpoint",
+    "load_params_checkpoint", "manifest_dtypes", "open_params_checkpoint", "read_params_checkpoint",
+    "read_params_info", "release_host_memory", "write_params_checkpoint",
 ]

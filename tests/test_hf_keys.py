@@ -198,3 +198,133 @@ def test_tied_embeddings_have_no_head():
     g = hk.hf_to_globals(cfg, lay, random_hf(cfg, lay))
     assert set(g) == {"embed", "final_norm"}
 
+
+
+# ------------------------------------------------------------------------------------------
+# streaming: TensorSource in, row blocks out
+# ------------------------------------------------------------------------------------------
+
+
+class DictSource:
+    """An in-memory `hk.TensorSource` that logs every read (whole tensor or row range)."""
+
+    def __init__(self, tensors):
+        self.t, self.reads = tensors, []
+
+    def __contains__(self, key):
+        return key in self.t
+
+    def shape(self, key):
+        return self.t[key].shape
+
+    def dtype(self, key):
+        return self.t[key].dtype
+
+    def get(self, key):
+        self.reads.append((key, None))
+        return self.t[key].copy()
+
+    def get_rows(self, key, start, stop):
+        self.reads.append((key, (start, stop)))
+        return self.t[key][start:stop].copy()
+
+
+def assert_trees_identical(a, b):
+    fa, fb = flatten(a), flatten(b)
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        x, y = fa[k], fb[k]
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        assert np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes(), k
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"{l.prefix}{l.expert_layout}")
+def test_streaming_from_a_source_matches_the_dict_path(layout):
+    t = random_hf(CFG, layout, seed=3)
+    src = DictSource(t)
+    block = 96  # bytes: forces many row blocks per tensor (and one-row blocks for wide ones)
+    g = hk.hf_to_globals(CFG, layout, src, max_block_bytes=block)
+    assert_trees_identical(g, hk.hf_to_globals(CFG, layout, t))
+    for i in range(CFG.num_hidden_layers):
+        layer = hk.hf_to_layer(CFG, layout, i, src, max_block_bytes=block)
+        assert_trees_identical(layer, hk.hf_to_layer(CFG, layout, i, t))
+        for k, v in flatten(layer).items():
+            assert v.flags.c_contiguous, k  # filled in place: nothing for a writer to copy
+    # big tensors were read in row blocks, never whole
+    head = [r for k, r in src.reads if k == hk.LM_HEAD_KEY]
+    assert len(head) > 1 and all(r is not None for r in head)
+    assert {k for k, _ in src.reads} == set(t)
+
+
+def test_iter_hf_globals_reads_each_global_only_when_asked():
+    lay = hk.HFLayout(hk.HUB_PREFIX, hk.FUSED)
+    src = DictSource(random_hf(CFG, lay))
+    it = hk.iter_hf_globals(CFG, lay, src)
+    assert src.reads == []
+    key, emb = next(it)
+    assert key == "embed.embedding" and {k for k, _ in src.reads} == {lay.prefix + "embed_tokens.weight"}
+    assert [k for k, _ in it] == ["final_norm.scale", "lm_head.kernel"]
+
+
+def test_streaming_source_errors():
+    lay = hk.HFLayout(hk.PLAIN_PREFIX, hk.PER_EXPERT)
+    t = random_hf(CFG, lay)
+    key = "model.layers.0.mlp.experts.3.up_proj.weight"
+    with pytest.raises(hk.HFMappingError, match=rf"'{key}' has shape \(8, 8\), expected"):
+        hk.hf_to_layer(CFG, lay, 0, DictSource({**t, key: np.zeros((8, 8), BF16)}))
+    with pytest.raises(hk.HFMappingError, match=f"src: missing tensor '{key}'"):
+        hk.hf_to_layer(CFG, lay, 0, DictSource({k: v for k, v in t.items() if k != key}), source="src")
+    with pytest.raises(hk.HFMappingError, match=f"'{key}' has dtype float32"):
+        hk.hf_to_layer(CFG, lay, 0, DictSource({**t, key: t[key].astype(np.float32)}))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"{l.prefix}{l.expert_layout}")
+def test_row_blocks_to_hf_match_the_whole_tensors(layout):
+    t = random_hf(CFG, layout, seed=4)
+    g, layers = to_ours(CFG, layout, t)
+    # contiguous leaves, as a checkpoint restore gives them
+    layers = [unflatten({k: np.ascontiguousarray(v) for k, v in flatten(la).items()}) for la in layers]
+    block = 200
+    streamed = {}
+    for i, layer in enumerate(layers):
+        order = []
+        leaves = list(flatten(layer).values())
+        for key, blocks in hk.iter_layer_to_hf_blocks(CFG, layout, i, layer, max_block_bytes=block):
+            bs = list(blocks)
+            assert all(b.flags.c_contiguous for b in bs), key
+            row = t[key][0].nbytes if t[key].ndim else t[key].nbytes
+            if not (len(bs) == 1 and any(bs[0] is leaf for leaf in leaves)):  # a leaf passed through as is
+                assert all(b.nbytes <= max(block, row) for b in bs), key  # or copied in small blocks
+            streamed[key] = np.concatenate(bs) if t[key].ndim else bs[0]
+            order.append(key)
+        dts = {k: v.dtype for k, v in flatten(layer).items()}
+        assert order == [k for k, _, _ in hk.layer_hf_specs(CFG, layout, i, dts)]
+    for key, blocks in hk.iter_globals_to_hf_blocks(CFG, layout, g, max_block_bytes=block):
+        streamed[key] = np.concatenate(list(blocks))
+    assert list(streamed) != [] and set(streamed) == set(t)
+    for k, a in t.items():
+        assert streamed[k].dtype == a.dtype and streamed[k].tobytes() == a.tobytes(), k
+
+
+def test_globals_to_hf_blocks_from_a_reader_are_lazy():
+    lay = hk.HFLayout(hk.PLAIN_PREFIX, hk.FUSED)
+    t = random_hf(CFG, lay)
+    g = flatten(to_ours(CFG, lay, t)[0])
+    calls = []
+
+    def read(key):
+        calls.append(key)
+        return g[key]
+
+    it = hk.iter_globals_to_hf_blocks(CFG, lay, read)
+    assert calls == []
+    got = {}
+    for key, blocks in it:
+        assert calls[-1] == {"model.embed_tokens.weight": "embed.embedding", "model.norm.weight": "final_norm.scale",
+                             hk.LM_HEAD_KEY: "lm_head.kernel"}[key]  # read just before its HF tensor
+        got[key] = np.concatenate(list(blocks))
+    assert calls == ["embed.embedding", "final_norm.scale", "lm_head.kernel"]
+    for k, a in got.items():
+        assert a.tobytes() == t[k].tobytes(), k
+    with pytest.raises(hk.HFMappingError, match="globals: param 'embed.embedding' has shape"):
+        next(hk.iter_globals_to_hf_blocks(CFG, lay, lambda k: g[k][:-1]))

@@ -383,3 +383,100 @@ def test_empty_checkpoint(tmp_path):
     ix = SafetensorsIndex(tmp_path)
     assert ix.keys() == [] and ix.total_size == 0
     assert safetensors.numpy.load_file(tmp_path / SINGLE_FILE) == {}
+
+
+# -- row-block streaming -----------------------------------------------------------------------
+def _file_bytes(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_row_blocks_and_tiled_copy():
+    from clover_jax.safetensors_io import row_blocks, tiled_copy
+
+    a = np.arange(6 * 5 * 4, dtype=np.float32).reshape(6, 5, 4)
+    (only,) = list(row_blocks(a, max_bytes=8))
+    assert only is a  # contiguous: handed back uncopied
+    t = a.transpose(0, 2, 1)
+    blocks = list(row_blocks(t, max_bytes=2 * 5 * 4 * 4))  # 2 rows of [4, 5] float32 per block
+    assert [b.shape[0] for b in blocks] == [2, 2, 2]
+    assert all(b.flags.c_contiguous for b in blocks)
+    np.testing.assert_array_equal(np.concatenate(blocks), t)
+    assert [b.shape[0] for b in row_blocks(a[:, :, ::2], max_bytes=1)] == [1] * 6  # >= one row
+    s = np.asarray(3.0, np.float32)
+    assert list(row_blocks(s)) == [s]
+    for src in (a.T, t, np.arange(7 * 9, dtype=np.int16).reshape(7, 9).T):
+        dst = np.empty(src.shape, src.dtype)
+        tiled_copy(dst, src, tile_bytes=16)
+        np.testing.assert_array_equal(dst, src)
+
+
+def test_write_rows_is_byte_identical_to_whole_writes(tmp_path):
+    ts = _tensors(11)
+    save_safetensors(ts, tmp_path / "whole", max_shard_bytes=100)
+    with ShardedSafetensorsWriter(tmp_path / "rows", max_shard_bytes=100) as w:
+        w.plan(_plan(ts))
+        for k, v in ts.items():
+            if v.ndim == 0:
+                w.write_rows(k, iter([v]))
+            elif v.shape[0] == 0:
+                w.write_rows(k, iter([]))  # zero rows: no blocks at all
+            else:
+                cuts = [0, 0, 1, v.shape[0] // 2 + 1, v.shape[0]]  # uneven, incl. an empty block
+                w.write_rows(k, (v[a:b] for a, b in zip(cuts, cuts[1:])))
+    assert _file_bytes(tmp_path / "rows") == _file_bytes(tmp_path / "whole")
+
+
+def test_write_streams_non_contiguous_arrays(tmp_path, monkeypatch):
+    """A transposed view is written in row blocks: byte-identical, never copied whole."""
+    import tracemalloc
+
+    import clover_jax.safetensors_io as sio
+
+    monkeypatch.setattr(sio, "BLOCK_BYTES", 64 * 1024)
+    base = np.random.default_rng(0).standard_normal((256, 2048)).astype(np.float32)  # 2 MiB
+    view = base.T
+    save_safetensors({"w": np.ascontiguousarray(view)}, tmp_path / "ref")
+    with ShardedSafetensorsWriter(tmp_path / "out") as w:
+        w.plan([("w", view.shape, view.dtype)])
+        tracemalloc.start()
+        try:
+            w.write("w", view)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < view.nbytes / 4, peak
+    assert _file_bytes(tmp_path / "out") == _file_bytes(tmp_path / "ref")
+
+
+def test_write_rows_rejects_bad_blocks_and_stays_usable(tmp_path):
+    ts = {"a": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.arange(5, dtype=np.int32),
+          "s": np.asarray(2.0, np.float32)}
+    save_safetensors(ts, tmp_path / "ref", max_shard_bytes=30)
+    a = ts["a"]
+    with ShardedSafetensorsWriter(tmp_path / "out", max_shard_bytes=30) as w:
+        w.plan(_plan(ts))
+        with pytest.raises(CheckpointError, match="written out of order"):
+            w.write_rows("b", iter([ts["b"]]))
+        with pytest.raises(CheckpointError, match=r"'a': block 1 has dtype F64, the plan says F32"):
+            w.write_rows("a", iter([a[:1], a[1:].astype(np.float64)]))
+        with pytest.raises(CheckpointError, match=r"'a': block 0 has shape \(2, 2\), expected \(n, 3\)"):
+            w.write_rows("a", iter([a[:2, :2]]))
+        with pytest.raises(CheckpointError, match=r"more than the planned 4 rows \(block 2 brings"):
+            w.write_rows("a", iter([a[:2], a[2:], a[:1]]))
+        with pytest.raises(CheckpointError, match=r"'a': blocks hold 3 rows, the plan says 4"):
+            w.write_rows("a", iter([a[:2], a[2:3]]))
+
+        def dies():
+            yield a[:2]
+            raise RuntimeError("producer died")
+
+        with pytest.raises(RuntimeError, match="producer died"):
+            w.write_rows("a", dies())
+        w.write_rows("a", iter([a[:3], a[3:]]))  # the failed attempts left nothing behind
+        with pytest.raises(CheckpointError, match=r"'b': block 0 has shape \(5, 1\), expected \(n,\)"):
+            w.write_rows("b", iter([ts["b"][:, None]]))
+        w.write("b", ts["b"])
+        with pytest.raises(CheckpointError, match="a 0-d tensor takes exactly one block"):
+            w.write_rows("s", iter([ts["s"], ts["s"]]))
+        w.write_rows("s", iter([ts["s"]]))
+    assert _file_bytes(tmp_path / "out") == _file_bytes(tmp_path / "ref")
