@@ -62,7 +62,7 @@ def model_flops_per_token(cfg, seq: int) -> float:
     return 2.0 * active
 
 
-def bench_jax(cfg, ids_np, repeats):
+def bench_jax(cfg, ids_np, repeats, fwd_only=False):
     model = create_model(cfg)
     ids = jnp.asarray(ids_np)
 
@@ -80,11 +80,13 @@ def bench_jax(cfg, ids_np, repeats):
         return nnx.value_and_grad(loss_fn)(m, x)
 
     t_f = timeit(lambda: fwd(model, ids).block_until_ready(), repeats)
+    if fwd_only:
+        return t_f, float("nan")
     t_fb = timeit(lambda: jax.block_until_ready(fwd_bwd(model, ids)), repeats)
     return t_f, t_fb
 
 
-def bench_torch(cfg, ids_np, repeats):
+def bench_torch(cfg, ids_np, repeats, fwd_only=False):
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -104,7 +106,8 @@ def bench_torch(cfg, ids_np, repeats):
         loss = -lp.gather(-1, ids[:, 1:, None]).mean()
         loss.backward()
 
-    return timeit(fwd, repeats), timeit(fwd_bwd, repeats), torch.get_num_threads()
+    t_fb = float("nan") if fwd_only else timeit(fwd_bwd, repeats)
+    return timeit(fwd, repeats), t_fb, torch.get_num_threads()
 
 
 def main() -> None:
@@ -115,6 +118,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--moe-impl", default=None, help="override cfg.moe_impl (ragged|dense)")
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--fwd-only", action="store_true",
+                    help="skip fwd+bwd (jaxlib 0.10.2 CPU can park forever on the full-model backward at batch 4 x 512)")
     ap.add_argument("--thunk-runtime", action="store_true", help="keep XLA's CPU thunk runtime (hangs, see top)")
     args = ap.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -129,10 +134,10 @@ def main() -> None:
           f"({cfg.layer_types.count('linear_attention')} GDN), experts {cfg.num_experts} top-{cfg.num_experts_per_tok}, "
           f"vocab {cfg.vocab_size}; batch {args.batch} x {args.seq}; moe_impl {cfg.moe_impl}")
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({jax.device_count()} JAX CPU device(s))")
-    t_f, t_fb = bench_jax(cfg, ids, args.repeats)
+    t_f, t_fb = bench_jax(cfg, ids, args.repeats, args.fwd_only)
     rows = [("clover_jax", t_f, t_fb)]
     if not args.skip_torch:
-        tt_f, tt_fb, threads = bench_torch(cfg, ids, args.repeats)
+        tt_f, tt_fb, threads = bench_torch(cfg, ids, args.repeats, args.fwd_only)
         rows.append((f"transformers (torch, {threads} threads)", tt_f, tt_fb))
     print(f"\n{'impl':<34} {'fwd tok/s':>11} {'fwd+bwd tok/s':>14} {'fwd+bwd % peak':>15}")
     for name, f, fb in rows:
