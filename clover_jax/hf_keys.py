@@ -49,7 +49,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from clover_jax.config import FULL, ModelConfig
-from clover_jax.params import flatten, global_param_shapes, layer_param_shapes, unflatten
+from clover_jax.params import check_flat_shapes, flatten, global_param_shapes, layer_param_shapes, unflatten
 from clover_jax.safetensors_io import CheckpointError, row_blocks, rows_per_block, tiled_copy
 
 logger = logging.getLogger(__name__)
@@ -494,15 +494,7 @@ def iter_hf_globals(
 def _our_leaves(rules: list[_Rule], tree: Tree, where: str) -> dict[str, Any]:
     flat = flatten(tree)
     wanted = {k: sh for r in rules for k, sh in zip(r.ours, r.our_shapes)}
-    missing = [k for k in wanted if k not in flat]
-    if missing:
-        raise HFMappingError(f"{where}: missing param {missing[0]!r}")
-    extra = sorted(set(flat) - set(wanted))
-    if extra:
-        raise HFMappingError(f"{where}: params with no HF tensor: {extra}")
-    for k, sh in wanted.items():
-        if tuple(flat[k].shape) != sh:
-            raise HFMappingError(f"{where}: param {k!r} has shape {tuple(flat[k].shape)}, expected {sh}")
+    check_flat_shapes(flat, wanted, where, HFMappingError, "params with no HF tensor:")
     return flat
 
 

@@ -130,6 +130,23 @@ def global_param_shapes(cfg: ModelConfig) -> Tree:
     return out
 
 
+def check_flat_shapes(
+    flat: dict[str, Any], want: dict[str, tuple[int, ...]], where: str, error: type[Exception],
+    extra_what: str = "unexpected params",
+) -> None:
+    """Every key of `want` present in `flat` with that shape, and nothing else; else `error` naming
+    the first missing key, the extra keys, or the mis-shaped key."""
+    missing = [k for k in want if k not in flat]
+    if missing:
+        raise error(f"{where}: missing param {missing[0]!r}")
+    extra = sorted(set(flat) - set(want))
+    if extra:
+        raise error(f"{where}: {extra_what} {extra}")
+    for k, sh in want.items():
+        if tuple(flat[k].shape) != tuple(sh):
+            raise error(f"{where}: param {k!r} has shape {tuple(flat[k].shape)}, expected {tuple(sh)}")
+
+
 def flatten(tree: Tree, prefix: str = "") -> dict[str, Any]:
     """Nested dict -> {"a.b.c": leaf}; lists index as numbers."""
     out: dict[str, Any] = {}

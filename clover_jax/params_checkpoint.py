@@ -47,7 +47,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy, for np.dty
 import numpy as np
 
 from clover_jax.config import ModelConfig
-from clover_jax.params import flatten, global_param_shapes, layer_param_shapes, unflatten
+from clover_jax.params import check_flat_shapes, flatten, global_param_shapes, layer_param_shapes, unflatten
 from clover_jax.safetensors_io import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -184,16 +184,8 @@ def _manifest(tree: Tree) -> dict[str, list]:
 
 
 def _check_shapes(tree: Tree, expected: Tree, where: str) -> None:
-    got, want = flatten(tree), {k: tuple(v) for k, v in flatten(expected).items()}
-    missing = [k for k in want if k not in got]
-    if missing:
-        raise CheckpointError(f"{where}: missing param {missing[0]!r}")
-    extra = sorted(set(got) - set(want))
-    if extra:
-        raise CheckpointError(f"{where}: unexpected params {extra}")
-    for k, shape in want.items():
-        if tuple(got[k].shape) != shape:
-            raise CheckpointError(f"{where}: param {k!r} has shape {tuple(got[k].shape)}, expected {shape}")
+    want = {k: tuple(v) for k, v in flatten(expected).items()}
+    check_flat_shapes(flatten(tree), want, where, CheckpointError)
 
 
 # --------------------------------------------------------------------------------------------
