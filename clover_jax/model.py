@@ -18,7 +18,7 @@ from clover_jax.attention import causal_segment_mask, rope_tables
 from clover_jax.config import ModelConfig
 from clover_jax.decoder import init_stack_cache, run_stack, stacked_group
 from clover_jax.nn import RMSNorm, dtype_of, make_param, normal
-from clover_jax.params import Tree
+from clover_jax.params import Tree, check_flat_shapes, flatten, unflatten
 
 NO_SEGMENT = -1  # segment id of cache slots / ring entries that hold no token
 PAD_SEGMENT = 0  # segment id of padding; documents use ids >= 1 (the default is 1)
@@ -174,37 +174,17 @@ def model_to_params(model: CloverModel) -> Tree:
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def model_from_params(cfg: ModelConfig, params: Tree, dtype: Any | None = None) -> CloverModel:
+def model_from_params(cfg: ModelConfig, params: Tree) -> CloverModel:
     """Builds the model around stacked-form params (numpy or jax), cast to `param_dtype` except the
-    fp32-only GDN `A_log` / `dt_bias`. Fails naming the first missing or mis-shaped entry."""
+    fp32-only GDN `A_log` / `dt_bias`. Fails naming the first missing, extra or mis-shaped entry."""
     model = abstract_model(cfg)
     state = nnx.state(model, nnx.Param)
-    target = nnx.to_pure_dict(state)
-    flat_t = _flat(target)
-    flat_p = _flat(params)
-    missing = sorted(set(flat_t) - set(flat_p))
-    extra = sorted(set(flat_p) - set(flat_t))
-    if missing or extra:
-        raise ValueError(f"param tree mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+    flat_t = flatten(nnx.to_pure_dict(state))
+    flat_p = flatten(params)
+    check_flat_shapes(flat_p, {k: tuple(v.shape) for k, v in flat_t.items()}, "model params", ValueError)
     pd = dtype_of(cfg.param_dtype)
-    out = {}
-    for k, ref in flat_t.items():
-        v = flat_p[k]
-        if tuple(v.shape) != tuple(ref.shape):
-            raise ValueError(f"param {k}: expected shape {tuple(ref.shape)}, got {tuple(v.shape)}")
-        out[k] = jnp.asarray(v, dtype=ref.dtype if k.endswith(("A_log", "dt_bias")) else pd)
-    nnx.replace_by_pure_dict(state, _unflat(out))
+    out = {k: jnp.asarray(flat_p[k], dtype=ref.dtype if k.endswith(("A_log", "dt_bias")) else pd)
+           for k, ref in flat_t.items()}
+    nnx.replace_by_pure_dict(state, unflatten(out))
     nnx.update(model, state)
     return model
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    from clover_jax.params import flatten
-
-    return flatten(tree, prefix)
-
-
-def _unflat(flat: dict[str, Any]) -> Tree:
-    from clover_jax.params import unflatten
-
-    return unflatten(flat)
