@@ -70,6 +70,14 @@ class ModelConfig:
     gdn_backend: Literal["auto", "pallas", "reference"] = "auto"
     moe_impl: Literal["auto", "ragged", "blocked", "dense"] = "auto"
     scan_layers: bool = True
+    # block diffusion (DESIGN.md 3; written to config.json of `clover_moe` checkpoints)
+    mode: Literal["ar", "block"] = "ar"  # "block" adds the Clover parameters to every GDN layer
+    block_size: int | tuple[int, ...] = 32  # a tuple: one size drawn per training step
+    mask_token_id: int | None = None
+    logits_shift: bool = True  # position p is predicted from p-1 (Dream lineage)
+    bd_alpha_init: float | None = None  # in-block softmax temperature; None = sqrt(linear_key_head_dim)
+    bd_beta_init: float = 0.0  # history-unit logit offset
+    bd_gamma_init: float = 1.0  # history-unit log(B) coefficient (block-size calibration)
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -95,6 +103,16 @@ class ModelConfig:
             raise ModelConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ModelConfigError("num_experts_per_tok must be in [1, num_experts]")
+        sizes = self.block_size if isinstance(self.block_size, tuple) else (self.block_size,)
+        if isinstance(self.block_size, list):
+            object.__setattr__(self, "block_size", tuple(self.block_size))
+            sizes = self.block_size
+        if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
+            raise ModelConfigError(f"block_size must be a positive int or a non-empty list of them, got {self.block_size!r}")
+        if self.mode not in ("ar", "block"):
+            raise ModelConfigError(f"mode must be 'ar' or 'block', got {self.mode!r}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ModelConfigError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ModelConfigError(
                 f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {self.rotary_dim}, "
@@ -131,6 +149,17 @@ class ModelConfig:
     @property
     def num_groups(self) -> int:
         return self.num_hidden_layers // self.group_size
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        """`block_size` as a tuple (one entry unless multi-size training)."""
+        return self.block_size if isinstance(self.block_size, tuple) else (self.block_size,)
+
+    @property
+    def bd_scalar_init(self) -> tuple[float, float, float]:
+        """Init (alpha, beta, gamma) of `bd_gdn_softmax_scalars` (DESIGN.md 3.2 B)."""
+        alpha = self.linear_key_head_dim ** 0.5 if self.bd_alpha_init is None else self.bd_alpha_init
+        return float(alpha), float(self.bd_beta_init), float(self.bd_gamma_init)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -252,8 +281,9 @@ def _pattern(n_linear: int, n_full: int, repeats: int) -> tuple[str, ...]:
 PRESETS: dict[str, ModelConfig] = {
     # DESIGN.md 2 table
     "qwen3.6-35b-a3b": ModelConfig(),
-    # Same backbone; the block-diffusion fields join with the block-diffusion issue.
-    "clover-35b-a3b": ModelConfig(max_position_embeddings=131072),
+    # Same backbone plus the block-diffusion parameters; <|mask|> is the first unused row (248077).
+    "clover-35b-a3b": ModelConfig(max_position_embeddings=131072, mode="block", block_size=32,
+                                  mask_token_id=248077),
     # `bench/forward.py` config: hidden 256, 6 GDN + 2 attention, 16 experts top-4, vocab 8192.
     "small-cpu": ModelConfig(
         vocab_size=8192, hidden_size=256, num_hidden_layers=8, layer_types=_pattern(3, 1, 2),

@@ -64,9 +64,14 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj_b = Dense(d, nv, ("embed", "gdn_heads"), **kw)
         self.in_proj_a = Dense(d, nv, ("embed", "gdn_heads"), **kw)
         k = cfg.linear_conv_kernel_dim
-        self.conv_q = _ConvKernel(k, kd, "gdn_qk", rngs=rngs, param_dtype=pd)
-        self.conv_k = _ConvKernel(k, kd, "gdn_qk", rngs=rngs, param_dtype=pd)
-        self.conv_v = _ConvKernel(k, vd, "gdn_v", rngs=rngs, param_dtype=pd)
+        block = cfg.mode == "block"
+        self.conv_q = _ConvKernel(k, kd, "gdn_qk", rngs=rngs, param_dtype=pd, right=block)
+        self.conv_k = _ConvKernel(k, kd, "gdn_qk", rngs=rngs, param_dtype=pd, right=block)
+        self.conv_v = _ConvKernel(k, vd, "gdn_v", rngs=rngs, param_dtype=pd, right=block)
+        if block:
+            # Clover block mode (DESIGN.md 3.2 B): per value head (alpha, beta, gamma), always fp32.
+            self.bd_gdn_softmax_scalars = make_param(
+                rngs, _rows(cfg.bd_scalar_init), (nv, 3), ("gdn_heads", "bd_scalar"), jnp.float32)
         # A_log and dt_bias stay fp32 whatever param_dtype is (HF keeps A_log fp32; both feed exp).
         self.A_log = make_param(rngs, _log_uniform(1.0, 16.0), (nv,), ("gdn_heads",), jnp.float32)
         self.dt_bias = make_param(rngs, constant(1.0), (nv,), ("gdn_heads",), jnp.float32)
@@ -146,10 +151,20 @@ class GatedDeltaNet(nnx.Module):
 
 
 class _ConvKernel(nnx.Module):
-    """Depthwise conv taps [K, C]; tap K-1 multiplies the current token (HF weight[c, 0, j] = kernel[j, c])."""
+    """Depthwise conv taps `kernel` [K, C]; tap K-1 multiplies the current token (HF weight[c, 0, j] =
+    kernel[j, c]). Block mode adds `right` [K-1, C] (zero init): tap d-1 multiplies the token d
+    positions AHEAD inside the block (HF `bd_gdn_conv_right_weight`[c, d-1] = right[d-1, c])."""
 
-    def __init__(self, k: int, channels: int, axis: str, *, rngs: nnx.Rngs, param_dtype: jnp.dtype):
+    def __init__(self, k: int, channels: int, axis: str, *, rngs: nnx.Rngs, param_dtype: jnp.dtype,
+                 right: bool = False):
         self.kernel = make_param(rngs, normal(0.2), (k, channels), ("conv_tap", axis), param_dtype)
+        if right:
+            self.right = make_param(rngs, constant(0.0), (k - 1, channels), ("conv_tap", axis), param_dtype)
+
+
+def _rows(values: tuple[float, ...]):
+    """Initializer: every row of an [H, len(values)] parameter equals `values`."""
+    return lambda key, shape, dtype: jnp.broadcast_to(jnp.asarray(values, dtype), shape)
 
 
 def _log_uniform(lo: float, hi: float):

@@ -183,7 +183,7 @@ def model_from_params(cfg: ModelConfig, params: Tree) -> CloverModel:
     flat_p = flatten(params)
     check_flat_shapes(flat_p, {k: tuple(v.shape) for k, v in flat_t.items()}, "model params", ValueError)
     pd = dtype_of(cfg.param_dtype)
-    out = {k: jnp.asarray(flat_p[k], dtype=ref.dtype if k.endswith(("A_log", "dt_bias")) else pd)
+    out = {k: jnp.asarray(flat_p[k], dtype=ref.dtype if k.endswith(("A_log", "dt_bias", "bd_gdn_softmax_scalars")) else pd)
            for k, ref in flat_t.items()}
     nnx.replace_by_pure_dict(state, unflatten(out))
     nnx.update(model, state)

@@ -18,6 +18,7 @@ Per-layer dict of layer i (JAX [in, out] kernels; shapes for the 35B in brackets
          in_proj_b [D, nv], in_proj_a [D, nv], out_proj [nv*dv, D]}.kernel
     gdn.{conv_q [K, nk*dk], conv_k [K, nk*dk], conv_v [K, nv*dv]}.kernel
     gdn.A_log [nv]  gdn.dt_bias [nv]  gdn.norm.scale [dv]
+    block mode only: gdn.bd_gdn_softmax_scalars [nv, 3] (fp32), gdn.conv_{q,k,v}.right [K-1, C_part]
     moe.router.kernel [D, E]  moe.wi_gate [E, D, I]  moe.wi_up [E, D, I]  moe.wo [E, I, D]
     moe.{shared_gate_proj [D, Is], shared_up_proj [D, Is], shared_down_proj [Is, D], shared_gate [D, 1]}.kernel
 
@@ -105,6 +106,10 @@ def layer_param_shapes(cfg: ModelConfig, layer: int) -> Tree:
             "norm": {"scale": (cfg.linear_value_head_dim,)},
             "out_proj": {"kernel": (vd, d)},
         }
+        if cfg.mode == "block":
+            out["gdn"]["bd_gdn_softmax_scalars"] = (nv, 3)
+            for part, c in (("conv_q", kd), ("conv_k", kd), ("conv_v", vd)):
+                out["gdn"][part]["right"] = (k - 1, c)
     e, i, si = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     out["moe"] = {
         "router": {"kernel": (d, e)},
