@@ -1,7 +1,7 @@
 """Clover-JAX command line: `python launch.py <command> ...` (DESIGN.md 6).
 
     demo      --config F [k=v ...]          the embedded default job (tiny Qwen3.6-shaped round trip)
-    convert   --hf DIR --out DIR            HF safetensors -> Orbax params checkpoint
+    convert   --hf DIR --out DIR [--mode ar|block]                HF safetensors -> Orbax params checkpoint
     export    --checkpoint DIR --out DIR [--format qwen|clover]   Orbax -> HF safetensors
     sft | generate | calibrate | compile    land with their issues (they say so and exit 2)
 """
@@ -36,7 +36,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from clover_jax.bridge import convert_hf_to_orbax
 
     t0 = time.perf_counter()
-    out = convert_hf_to_orbax(args.hf, args.out, overwrite=args.overwrite)
+    out = convert_hf_to_orbax(args.hf, args.out, mode=args.mode, overwrite=args.overwrite)
     print(f"converted {args.hf} -> {out} in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -49,7 +49,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.checkpoint, args.out, format=args.format, expert_layout=args.expert_layout, prefix=args.prefix,
         max_shard_bytes=int(args.max_shard_gb * 10**9), overwrite=args.overwrite,
     )
-    print(f"exported {args.checkpoint} -> {out} ({args.format}) in {time.perf_counter() - t0:.1f} s")
+    fmt = args.format or "format by the checkpoint mode"
+    print(f"exported {args.checkpoint} -> {out} ({fmt}) in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -81,13 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="HF safetensors dir -> Orbax params checkpoint")
     p.add_argument("--hf", required=True, help="HF checkpoint dir (config.json + safetensors)")
     p.add_argument("--out", required=True, help="output checkpoint dir (written atomically)")
+    p.add_argument("--mode", choices=("ar", "block"), default=None,
+                   help="default: the checkpoint's (clover_moe: block, Qwen: ar); block on a Qwen dir starts "
+                        "the Clover params at their init values, ar on a Clover dir drops them")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
     p.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("export", help="Orbax params checkpoint -> HF safetensors dir")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--format", choices=("qwen", "clover"), default="qwen")
+    p.add_argument("--format", choices=("qwen", "clover"), default=None,
+                   help="clover: clover_moe with the block-diffusion tensors and the mask token; qwen: "
+                        "qwen3_5_moe_text without them; default: clover for a block-mode checkpoint, else qwen")
     p.add_argument("--expert-layout", choices=("fused", "per_expert"), default=None,
                    help="default: the layout of the checkpoint's HF source")
     p.add_argument("--prefix", choices=("model.", "model.language_model."), default=None,

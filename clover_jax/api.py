@@ -25,35 +25,43 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def load_hf(
-    path: str | Path, *, dtype: Any = jnp.float32, mode: Literal["ar", "block"] = "ar", **runtime: Any
+    path: str | Path, *, dtype: Any = jnp.float32, mode: Literal["ar", "block"] | None = None, **runtime: Any
 ) -> tuple[ModelConfig, CloverModel]:
-    """Reads an HF dir (Qwen3.6 hub layout or `save_pretrained` layout) into a model whose params
-    and compute use `dtype` (GDN `A_log` / `dt_bias` stay fp32). `runtime` overrides ModelConfig
-    runtime fields (e.g. `gdn_chunk_size=32`, `moe_impl="dense"`)."""
-    if mode != "ar":
-        raise NotImplementedError("mode='block' lands with the block-diffusion issue")
+    """Reads an HF dir (Qwen3.6 or Clover; hub layout or `save_pretrained` layout) into a model whose
+    params and compute use `dtype` (GDN `A_log` / `dt_bias` / Clover scalars stay fp32).
+
+    `mode`: None = the checkpoint's (`clover_moe` -> "block", Qwen -> "ar"); "block" on a Qwen
+    checkpoint starts the Clover params at their init values, "ar" on a Clover checkpoint drops them
+    (each says so in the log). `runtime` overrides ModelConfig fields (e.g. `gdn_chunk_size=32`,
+    `moe_impl="dense"`, `mask_token_id=...`, `bd_alpha_init=...`; the init values come from these)."""
     name = _dtype_name(dtype)
-    cfg, tree = bridge.read_hf(path)
-    cfg = cfg.replace(dtype=name, param_dtype=name, **runtime)
+    cfg, tree = bridge.read_hf(path, mode=mode, dtype=name, param_dtype=name, **runtime)
     return cfg, model_from_params(cfg, stack_layers(cfg, tree))
 
 
 def save_hf(
-    model: CloverModel, config: ModelConfig, out_dir: str | Path, *, format: Literal["qwen", "clover"] = "qwen",
-    dtype: Any | None = jnp.bfloat16, **kwargs: Any,
+    model: CloverModel, config: ModelConfig, out_dir: str | Path, *,
+    format: Literal["qwen", "clover"] | None = None, dtype: Any | None = jnp.bfloat16, **kwargs: Any,
 ) -> Path:
-    """Writes `model` as an HF dir (sharded safetensors + index, config.json, generation_config.json).
-    Weights are cast to `dtype` (None keeps the params' dtypes); `A_log` and the GDN norm stay fp32
-    as in the Qwen3.6 checkpoints. `kwargs` go to `bridge.write_hf` (expert_layout, prefix,
+    """Writes `model` as an HF dir (sharded safetensors + index, config.json, generation_config.json;
+    `format="clover"` also the tokenizer with the mask token). `format` None: "clover" for a
+    block-mode model, "qwen" for an AR one (see `bridge.write_hf`). Weights are cast to `dtype` (None
+    keeps the params' dtypes); `A_log`, the GDN norm and the Clover scalars stay fp32 as in the
+    Qwen3.6 / Clover checkpoints. `kwargs` go to `bridge.write_hf` (expert_layout, prefix,
     max_shard_bytes, source_dir, overwrite)."""
-    tree = unstack_layers(config, model_to_params(model))
-    if dtype is not None:
+    params = model_to_params(model)
+    if dtype is None:
+        tree = unstack_layers(config, params)  # leaves go to host one layer at a time in write_hf
+    else:
+        # every leaf is cast on host anyway: fetch first, so unstacking slices numpy (no per-shape
+        # device op compiles) and the cast is ml_dtypes' round-to-nearest-even, as XLA's
+        tree = unstack_layers(config, jax.device_get(params))
         tree = jax.tree_util.tree_map_with_path(lambda p, x: _cast_leaf(p, x, dtype), tree)
     return bridge.write_hf(config, tree, out_dir, format=format, **kwargs)
 
 
 def _cast_leaf(path: tuple, x: Any, dtype: Any) -> Any:
     keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-    if "A_log" in keys or ("gdn" in keys and "norm" in keys):
+    if "A_log" in keys or "bd_gdn_softmax_scalars" in keys or ("gdn" in keys and "norm" in keys):
         return np.asarray(x, np.float32)
-    return np.asarray(jnp.asarray(x, dtype))
+    return np.asarray(x).astype(jnp.dtype(dtype))

@@ -50,6 +50,42 @@ def causal_segment_mask(
     return causal & same_doc
 
 
+def noisy_query_mask(
+    q_start_BT: jax.Array, q_seg_BT: jax.Array, k_slot_BS: jax.Array, k_seg_BS: jax.Array,
+    k_start_BS: jax.Array, k_noisy_S: jax.Array,
+) -> jax.Array:
+    """[B, Tq, S] bool, the block-diffusion rule for NOISY queries (DESIGN.md 3.1): a clean key is
+    visible iff it is in the query's document and strictly before the query's block start; a noisy
+    key iff it is in the query's document and in the same block. `*_start`: slot of the first
+    position of the token's block; `k_noisy_S`: which keys are noisy-stream tokens."""
+    same_doc = k_seg_BS[:, None, :] == q_seg_BT[:, :, None]
+    clean_ok = ~k_noisy_S[None, None, :] & (k_slot_BS[:, None, :] < q_start_BT[:, :, None])
+    noisy_ok = k_noisy_S[None, None, :] & (k_start_BS[:, None, :] == q_start_BT[:, :, None])
+    return same_doc & (clean_ok | noisy_ok)
+
+
+def two_stream_masks(segment_ids_BT: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """(clean [B, T, T], noisy [B, T, 2T]) training masks; keys of the noisy rows are clean slots
+    0..T-1 then noisy slots T..2T-1. Blocks are on the row grid (slot // block_size)."""
+    b, t = segment_ids_BT.shape
+    slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    start = slots - slots % block_size
+    clean = causal_segment_mask(slots, segment_ids_BT, slots, segment_ids_BT)
+    both = lambda a: jnp.concatenate([a, a], axis=1)  # noqa: E731
+    noisy = noisy_query_mask(start, segment_ids_BT, both(slots), both(segment_ids_BT), both(start),
+                             jnp.arange(2 * t) >= t)
+    return clean, noisy
+
+
+def two_stream_mask(segment_ids_BT: jax.Array, block_size: int) -> jax.Array:
+    """The full [B, 2T, 2T] training mask over (clean slots 0..T-1 || noisy slots T..2T-1), a pure
+    function of the indices, the segments and the block size: clean queries are token-causal within
+    their document and never see noisy keys; noisy queries follow `noisy_query_mask`."""
+    clean, noisy = two_stream_masks(segment_ids_BT, block_size)
+    clean_rows = jnp.concatenate([clean, jnp.zeros_like(clean)], axis=2)
+    return jnp.concatenate([clean_rows, noisy], axis=1)
+
+
 def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask_BTS: jax.Array) -> jax.Array:
     """Softmax attention with GQA (query head h uses KV head h // (H/K)), fp32 softmax.
 
@@ -122,6 +158,28 @@ class Attention(nnx.Module):
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
         out = attend(q, k, v, ctx["mask"])
         return self.output(out, gate), cache
+
+
+    def two_stream(self, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
+        """Training forward of both streams: x [B, 2T, D] = clean || noisy. `ctx`: `cos`/`sin`
+        [B, T, R] (both streams share positions), `mask` [B, T, T] (clean, causal) and
+        `noisy_mask` [B, T, 2T] over clean || noisy keys."""
+        cos2, sin2 = (jnp.concatenate([a, a], axis=1) for a in (ctx["cos"], ctx["sin"]))
+        q, gate = self.project_q(x_BSD, cos2, sin2)
+        k, v = self.project_kv(x_BSD, cos2, sin2)
+        t = ctx["cos"].shape[1]
+        out_c = attend(q[:, :t], k[:, :t], v[:, :t], ctx["mask"])
+        out_n = attend(q[:, t:], k, v, ctx["noisy_mask"])
+        return self.output(jnp.concatenate([out_c, out_n], axis=1), gate)
+
+    def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]) -> jax.Array:
+        """Decode side: a noisy canvas [B, Bk, D] against the cached clean K/V (read only).
+        `ctx["mask"]` [B, Bk, S + Bk] over cached slots || canvas keys."""
+        q, gate = self.project_q(x_BKD, ctx["cos"], ctx["sin"])
+        k, v = self.project_kv(x_BKD, ctx["cos"], ctx["sin"])
+        k_all = jnp.concatenate([cache["k"].astype(q.dtype), k], axis=1)
+        v_all = jnp.concatenate([cache["v"].astype(q.dtype), v], axis=1)
+        return self.output(attend(q, k_all, v_all, ctx["mask"]), gate)
 
 
 def init_attention_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype) -> dict[str, jax.Array]:

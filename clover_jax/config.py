@@ -19,6 +19,8 @@ _LAYER_TYPES = (LINEAR, FULL)
 #: HF model types this config reads. `clover_moe` carries the same text fields (plus block-diffusion
 #: fields that the block-diffusion issue adds).
 HF_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "clover_moe")
+#: Block-diffusion fields a `clover_moe` config.json carries besides the text fields (DESIGN.md 3).
+CLOVER_HF_FIELDS = ("block_size", "mask_token_id", "logits_shift", "bd_alpha_init", "bd_beta_init", "bd_gamma_init")
 
 
 class ModelConfigError(ValueError):
@@ -69,6 +71,7 @@ class ModelConfig:
     gdn_chunk_size: int = 64
     gdn_backend: Literal["auto", "pallas", "reference"] = "auto"
     moe_impl: Literal["auto", "ragged", "blocked", "dense"] = "auto"
+    moe_dispatch: Literal["ragged_a2a", "ring"] = "ragged_a2a"  # expert-parallel dispatch under a mesh
     scan_layers: bool = True
     # block diffusion (DESIGN.md 3; written to config.json of `clover_moe` checkpoints)
     mode: Literal["ar", "block"] = "ar"  # "block" adds the Clover parameters to every GDN layer
@@ -166,13 +169,14 @@ class ModelConfig:
 
     # HF conversion -----------------------------------------------------------------------------
     def to_hf_dict(self, model_type: str = "qwen3_5_moe_text") -> dict[str, Any]:
-        """The HF text `config.json` dict (model_type `qwen3_5_moe_text` loads in
-        `Qwen3_5MoeForCausalLM`)."""
+        """The HF text `config.json` dict. `qwen3_5_moe_text` loads in `Qwen3_5MoeForCausalLM`;
+        `clover_moe` is the same text fields plus the block-diffusion ones (`CLOVER_HF_FIELDS`;
+        `block_size` as an int or a list). `mode` is not written: `clover_moe` means block mode."""
         if model_type not in HF_MODEL_TYPES or model_type == "qwen3_5_moe":
             raise ModelConfigError(f"cannot write model_type {model_type!r}")
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-        return {
-            "architectures": ["Qwen3_5MoeForCausalLM"],
+        out = {
+            "architectures": ["CloverMoeForCausalLM" if model_type == "clover_moe" else "Qwen3_5MoeForCausalLM"],
             "model_type": model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -207,11 +211,20 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
             "dtype": "bfloat16",
         }
+        if model_type == "clover_moe":
+            for name in CLOVER_HF_FIELDS:
+                value = getattr(self, name)
+                out[name] = list(value) if isinstance(value, tuple) else value
+        return out
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], *, source: str = "config.json", **runtime: Any) -> ModelConfig:
         """Reads an HF config dict (`qwen3_5_moe` composite: its `text_config`; `qwen3_5_moe_text`;
-        `clover_moe`). Unknown model types and unsupported features fail naming `source`."""
+        `clover_moe`). Unknown model types and unsupported features fail naming `source`.
+
+        `clover_moe` gives `mode="block"` and reads `CLOVER_HF_FIELDS` (absent ones keep their
+        defaults; no `mask_token_id` is fine); the Qwen types give `mode="ar"` and ignore those fields.
+        `runtime` overrides anything, `mode` included (e.g. a Qwen checkpoint read in block mode)."""
         model_type = hf.get("model_type")
         if model_type not in HF_MODEL_TYPES:
             raise ModelConfigError(
@@ -236,11 +249,15 @@ class ModelConfig:
             n_layers, int(text.get("full_attention_interval", 4))
         )
         eos = text.get("eos_token_id", defaults.eos_token_id)
+        clover = model_type == "clover_moe"
+        # `mode` is never read from the file (the model type says it); the block-diffusion fields
+        # only from a Clover config (a Qwen config that happens to carry them stays AR-default)
+        skip = {"layer_types", "eos_token_id", "dtype", "mode"} | (set() if clover else set(CLOVER_HF_FIELDS))
         kwargs: dict[str, Any] = {
-            f.name: text[f.name]
-            for f in dataclasses.fields(cls)
-            if f.name in text and f.name not in ("layer_types", "eos_token_id", "dtype")
+            f.name: text[f.name] for f in dataclasses.fields(cls) if f.name in text and f.name not in skip
         }
+        if clover and isinstance(kwargs.get("block_size"), list):
+            kwargs["block_size"] = tuple(kwargs["block_size"])
         kwargs.update(
             num_hidden_layers=n_layers,
             layer_types=tuple(layer_types),
@@ -248,11 +265,12 @@ class ModelConfig:
             partial_rotary_factor=float(rope.get("partial_rotary_factor", defaults.partial_rotary_factor)),
             mrope_section=tuple(rope.get("mrope_section", defaults.mrope_section)),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            mode="block" if clover else "ar",
         )
         kwargs.update(runtime)
         try:
             return cls(**kwargs)
-        except ModelConfigError as e:
+        except (ModelConfigError, TypeError) as e:
             raise ModelConfigError(f"{source}: {e}") from None
 
     @classmethod

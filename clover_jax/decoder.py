@@ -38,9 +38,18 @@ class DecoderLayer(nnx.Module):
         self.is_attention = layer_type == FULL
 
     def __call__(self, x_BTD: jax.Array, ctx: dict[str, Any], cache: Cache | None):
+        """`ctx["stream"]` (static) picks the mixer path: "ar" (clean tokens, optional cache),
+        "two_stream" (x = clean || noisy, [B, 2T, D]) or "block_step" (a noisy canvas against the
+        cache, which is read, not returned)."""
         mixer = self.attn if self.is_attention else self.gdn
         mixer_ctx = ctx["attn"] if self.is_attention else ctx["gdn"]
-        h, cache = mixer(self.input_norm(x_BTD), mixer_ctx, cache)
+        stream = ctx.get("stream", "ar")
+        if stream == "ar":
+            h, cache = mixer(self.input_norm(x_BTD), mixer_ctx, cache)
+        elif stream == "two_stream":
+            h, cache = mixer.two_stream(self.input_norm(x_BTD), mixer_ctx), None
+        else:
+            h, cache = mixer.block_step(self.input_norm(x_BTD), mixer_ctx, cache), None
         h = x_BTD + h
         m, aux = self.moe(self.post_norm(h), ctx)
         return h + m, cache, aux
@@ -62,7 +71,8 @@ class LayerGroup(nnx.Module):
             new_cache[name] = c
             auxes.append(aux)
         aux = jax.tree.map(lambda *xs: jnp.stack(xs), *auxes)
-        return x_BTD, (new_cache if cache is not None else None), aux
+        keep = cache is not None and ctx.get("stream", "ar") == "ar"
+        return x_BTD, (new_cache if keep else None), aux
 
 
 def stacked_group(cfg: ModelConfig, rngs: nnx.Rngs) -> LayerGroup:

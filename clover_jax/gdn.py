@@ -44,6 +44,43 @@ def causal_conv(
     return out.astype(x_BTC.dtype)
 
 
+def right_conv(x_BKC: jax.Array, w_LC: jax.Array, seg_BK: jax.Array) -> jax.Array:
+    """Block-mode right-context taps (DESIGN.md 3.2 C), no activation, over whole blocks [B, K, C]:
+    `out_t = sum_{d=1..L} w[d-1] x_{t+d}`, only where t + d is inside the block and in t's segment,
+    so a tap never reads past the block end."""
+    k = x_BKC.shape[1]
+    out = jnp.zeros(x_BKC.shape, jnp.float32)
+    for d in range(1, min(w_LC.shape[0], k - 1) + 1):
+        tap = jnp.pad(x_BKC[:, d:], ((0, 0), (0, d), (0, 0)))
+        same = jnp.pad(seg_BK[:, d:] == seg_BK[:, :-d], ((0, 0), (0, d)))
+        out = out + jnp.where(same[..., None], tap.astype(jnp.float32) * w_LC[d - 1].astype(jnp.float32), 0.0)
+    return out
+
+
+def block_conv(
+    x_BKC: jax.Array, w_KC: jax.Array, w_right_LC: jax.Array, ring_BLC: jax.Array, seg_BK: jax.Array,
+    ring_seg_BL: jax.Array,
+) -> jax.Array:
+    """The noisy-stream conv of one block, no activation: left taps over ring || block (the ring holds
+    the CLEAN pre-conv inputs before the block), right taps inside the block. Zero `w_right` gives
+    exactly `causal_conv`."""
+    left = causal_conv(x_BKC, w_KC, ring_BLC, seg_BK, ring_seg_BL).astype(jnp.float32)
+    return (left + right_conv(x_BKC, w_right_LC, seg_BK)).astype(x_BKC.dtype)
+
+
+def block_rings(x_BTC: jax.Array, seg_BT: jax.Array, block: int, lring: int, empty_seg: int):
+    """For every row-grid block n, the L clean inputs before it and their segment ids:
+    ([B*N, L, C], [B*N, L]); slots before the row start are zeros with segment `empty_seg`."""
+    b, t, c = x_BTC.shape
+    n = t // block
+    x_pad = jnp.pad(x_BTC, ((0, 0), (lring, 0), (0, 0)))
+    s_pad = jnp.pad(seg_BT, ((0, 0), (lring, 0)), constant_values=empty_seg)
+    idx_NL = jnp.arange(n)[:, None] * block + jnp.arange(lring)[None, :]  # padded index of slot n*block - L + j
+    rings = jnp.take(x_pad, idx_NL.reshape(-1), axis=1).reshape(b * n, lring, c)
+    ring_seg = jnp.take(s_pad, idx_NL.reshape(-1), axis=1).reshape(b * n, lring)
+    return rings, ring_seg
+
+
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """`x * rsqrt(sum(x^2) + eps)` over the last axis (fla / transformers convention), fp32."""
     x = x.astype(jnp.float32)
@@ -111,6 +148,22 @@ class GatedDeltaNet(nnx.Module):
         k = jnp.repeat(l2_normalize(k), rep, axis=2)
         return q, k, v.astype(jnp.float32)
 
+    def _conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
+                    ring_seg: jax.Array) -> dict[str, jax.Array]:
+        """Causal conv + SiLU of the q, k, v channel groups (AR / clean stream)."""
+        return {p: jax.nn.silu(causal_conv(mixed[p], getattr(self, f"conv_{p}").kernel[...], rings[p], seg, ring_seg))
+                for p in CONV_PARTS}
+
+    def _block_conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
+                          ring_seg: jax.Array) -> dict[str, jax.Array]:
+        """Noisy-stream conv (left taps over clean ring || block, right taps in the block) + SiLU.
+        Inputs are whole blocks [B', Bk, C] with their rings [B', L, C]."""
+        out = {}
+        for p in CONV_PARTS:
+            conv = getattr(self, f"conv_{p}")
+            out[p] = jax.nn.silu(block_conv(mixed[p], conv.kernel[...], conv.right[...], rings[p], seg, ring_seg))
+        return out
+
     def output(self, o_BTHV: jax.Array, z_BTHV: jax.Array, dtype: jnp.dtype) -> jax.Array:
         b, t = o_BTHV.shape[:2]
         y = self.norm(o_BTHV.astype(dtype), z_BTHV)
@@ -127,12 +180,10 @@ class GatedDeltaNet(nnx.Module):
         seg, ring_seg = ctx["segment_ids"], ctx["ring_segment_ids"]
         b, t, _ = x_BTD.shape
         lring = c.linear_conv_kernel_dim - 1
-        conv, new_cache = {}, {}
-        for part in CONV_PARTS:
-            x_part = mixed[part]
-            ring = cache[f"conv_{part}"] if cache is not None else jnp.zeros((b, lring, x_part.shape[-1]), x_part.dtype)
-            conv[part] = jax.nn.silu(causal_conv(x_part, getattr(self, f"conv_{part}").kernel[...], ring, seg, ring_seg))
-            new_cache[f"conv_{part}"] = jnp.concatenate([ring.astype(x_part.dtype), x_part], axis=1)[:, -lring:]
+        rings = {p: cache[f"conv_{p}"].astype(mixed[p].dtype) if cache is not None
+                 else jnp.zeros((b, lring, mixed[p].shape[-1]), mixed[p].dtype) for p in CONV_PARTS}
+        conv = self._conv_parts(mixed, seg, rings, ring_seg)
+        new_cache = {f"conv_{p}": jnp.concatenate([rings[p], mixed[p]], axis=1)[:, -lring:] for p in CONV_PARTS}
         q, k, v = self.heads(conv)
         g, beta = self.gates(mixed["b"], mixed["a"])
         init_state = None
@@ -148,6 +199,56 @@ class GatedDeltaNet(nnx.Module):
         new_cache = {k_: v_.astype(cache[k_].dtype) for k_, v_ in new_cache.items()}
         new_cache["state"] = state.astype(jnp.float32)
         return y, new_cache
+
+
+    # -- block mode (DESIGN.md 3.2 B, C) ----------------------------------------------------------
+    def two_stream(self, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
+        """Training forward of both streams: x [B, 2T, D] = clean tokens || noisy tokens (same
+        positions), -> [B, 2T, D]. The clean half is the AR layer exactly; the noisy half is the
+        block-mode GDN on the row grid of `ctx["block_size"]` (T a multiple of it)."""
+        c = self.cfg
+        bk, seg = ctx["block_size"], ctx["segment_ids"]
+        b, t = seg.shape
+        lring = c.linear_conv_kernel_dim - 1
+        mixed = self.mix_inputs(x_BSD)
+        clean = {name: val[:, :t] for name, val in mixed.items()}
+        noisy = {name: val[:, t:] for name, val in mixed.items()}
+        empty = jnp.full((b, lring), ctx["empty_segment"], jnp.int32)
+        zeros = {p: jnp.zeros((b, lring, clean[p].shape[-1]), clean[p].dtype) for p in CONV_PARTS}
+        conv_c = self._conv_parts(clean, seg, zeros, empty)
+        n = t // bk
+        blocks = lambda a: a.reshape((b * n, bk) + a.shape[2:])  # noqa: E731
+        ring_parts = {p: block_rings(clean[p], seg, bk, lring, ctx["empty_segment"]) for p in CONV_PARTS}
+        ring_seg = ring_parts["q"][1]
+        conv_n = self._block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg),
+                                        {p: r for p, (r, _) in ring_parts.items()}, ring_seg)
+        conv_n = {p: v.reshape(b, t, -1) for p, v in conv_n.items()}
+        q_c, k_c, v_c = self.heads(conv_c)
+        q_n, k_n, v_n = self.heads(conv_n)
+        g, beta = self.gates(clean["b"], clean["a"])
+        o_c, o_n, _ = pallas_kernels.block_gated_delta_rule_ref(
+            q_c, k_c, v_c, g, beta, q_n, k_n, v_n, self.bd_gdn_softmax_scalars[...],
+            block_size=bk, segment_ids=seg, chunk_size=c.gdn_chunk_size)
+        z = jnp.concatenate([clean["z"], noisy["z"]], axis=1)
+        return self.output(jnp.concatenate([o_c, o_n], axis=1), z, x_BSD.dtype)
+
+    def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]) -> jax.Array:
+        """Decode side: one noisy canvas [B, Bk, D] against the clean caches (read only) -> [B, Bk, D].
+        `ctx`: `segment_ids` [B, Bk], `ring_segment_ids` [B, L], `continues` [B, Bk] (token continues
+        the cached document, so the history unit is present)."""
+        c = self.cfg
+        seg = ctx["segment_ids"]
+        mixed = self.mix_inputs(x_BKD)
+        rings = {p: cache[f"conv_{p}"].astype(mixed[p].dtype) for p in CONV_PARTS}
+        conv = self._block_conv_parts(mixed, seg, rings, ctx["ring_segment_ids"])
+        q, k, v = self.heads(conv)
+        b, bk = seg.shape
+        add_n = lambda a: a[:, None]  # noqa: E731  one block
+        same_doc = seg[:, :, None] == seg[:, None, :]
+        o = pallas_kernels.block_readout_ref(
+            add_n(q), add_n(k), add_n(v), cache["state"][:, None], same_doc[:, None], add_n(ctx["continues"]),
+            self.bd_gdn_softmax_scalars[...], bk)
+        return self.output(o[:, 0], mixed["z"], x_BKD.dtype)
 
 
 class _ConvKernel(nnx.Module):

@@ -1,8 +1,10 @@
 """Pure mapping between HF Qwen3.5/3.6-MoE text tensors and our per-layer param tree (numpy).
 
-No file I/O here: `bridge.py` streams tensors in and out, this module only names, checks and reshapes.
-Every transform is a transpose, a row split/concat or an expert stack/unstack, so values and dtypes
-pass through untouched and HF -> ours -> HF is byte-identical (nothing is ever cast).
+No file I/O here: `bridge.py` streams tensors in and out, this module only checks and reshapes; the
+names, layouts and per-tensor rules are in `hf_rules.py` (re-exported here). Every transform is a
+transpose, a row split/concat or an expert stack/unstack, so values and dtypes pass through untouched
+and HF -> ours -> HF is byte-identical (nothing is ever cast; only Clover tensors one side lacks are
+made up, from the config's init values, see `hf_clover.py`).
 
 HF side (DESIGN.md 2.2; PyTorch [out, in]), with ``P`` the text prefix (``model.language_model.`` on
 the hub, ``model.`` from ``save_pretrained``) and ``L = P + "layers.{i}."``:
@@ -27,7 +29,13 @@ HF tensor                                              HF shape                 
 ``L mlp.experts.{e}.down_proj.weight`` (per expert)    [D, I]                      moe.wo[e]
 ``L mlp.shared_expert.{gate,up,down}_proj.weight``     [out, in]                   moe.shared_*_proj.kernel
 ``L mlp.shared_expert_gate.weight``                    [1, D]                      moe.shared_gate.kernel [D, 1]
+``L linear_attn.bd_gdn_softmax_scalars`` (Clover)      [nv, 3]                     gdn.bd_gdn_softmax_scalars
+``L linear_attn.bd_gdn_conv_right_weight`` (Clover)    [C, K-1]                    conv_{q,k,v}.right [K-1, part]
 =====================================================  ==========================  =====================
+
+The Clover rows exist on the HF side when `HFLayout.clover` (detected from the names on read; the
+export format on write) and on ours when ``cfg.mode == "block"``; when only one side has them they
+are dropped or filled with their init values (`hf_clover.py`, which also accepts the other shapes).
 
 Streaming: `hf_to_layer` / `hf_to_globals` also take a `TensorSource` (a `SafetensorsIndex`)
 instead of a dict, and then read each HF tensor in row blocks straight into C-contiguous outputs,
@@ -40,261 +48,25 @@ HF tensor is never materialised whole.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from clover_jax.config import FULL, ModelConfig
-from clover_jax.params import check_flat_shapes, flatten, global_param_shapes, layer_param_shapes, unflatten
-from clover_jax.safetensors_io import CheckpointError, row_blocks, rows_per_block, tiled_copy
+from clover_jax import hf_clover as hc
+from clover_jax.hf_rules import (  # re-exported: hf_keys is the public face of the HF mapping
+    EXPERT_LAYOUTS, FUSED, HUB_PREFIX, LM_HEAD_KEY, PER_EXPERT, PLAIN_PREFIX, TEXT_PREFIXES, HFLayout,
+    HFMappingError, Shape, _Rule, all_expected_keys, check_hf_shapes, check_tensor_names, detect_layout,
+    expected_hf_shapes, global_rules, layer_rules,
+)
+from clover_jax.config import ModelConfig
+from clover_jax.params import check_flat_shapes, flatten, unflatten
+from clover_jax.safetensors_io import row_blocks, rows_per_block, tiled_copy
 
 logger = logging.getLogger(__name__)
 
-HUB_PREFIX = "model.language_model."
-PLAIN_PREFIX = "model."
-TEXT_PREFIXES = (HUB_PREFIX, PLAIN_PREFIX)
-FUSED = "fused"
-PER_EXPERT = "per_expert"
-EXPERT_LAYOUTS = (FUSED, PER_EXPERT)
-LM_HEAD_KEY = "lm_head.weight"
-
 Tree = dict[str, Any]
-Shape = tuple[int, ...]
-
-
-class HFMappingError(CheckpointError):
-    """HF tensors that do not fit the config: the message names the HF key (and shapes).
-
-    A `CheckpointError` (so a `ValueError`): callers catch one type for every bad-checkpoint case."""
-
-
-@dataclass(frozen=True)
-class HFLayout:
-    """How a checkpoint names its text tensors: the key prefix and the routed-expert layout."""
-
-    prefix: str = PLAIN_PREFIX
-    expert_layout: str = PER_EXPERT
-
-    def __post_init__(self) -> None:
-        if self.prefix not in TEXT_PREFIXES:
-            raise HFMappingError(f"unknown HF prefix {self.prefix!r} (supported: {TEXT_PREFIXES})")
-        if self.expert_layout not in EXPERT_LAYOUTS:
-            raise HFMappingError(
-                f"unknown expert layout {self.expert_layout!r} (supported: {EXPERT_LAYOUTS})"
-            )
-
-
-# --------------------------------------------------------------------------------------------
-# Detection and skipping
-# --------------------------------------------------------------------------------------------
-
-_TEXT_MODULES = ("layers", "embed_tokens", "norm", "rotary_emb")
-_FUSED_RE = re.compile(r"layers\.\d+\.mlp\.experts\.gate_up_proj$")
-_PER_EXPERT_RE = re.compile(r"layers\.\d+\.mlp\.experts\.\d+\.")
-
-
-def _skip_group(key: str, prefix: str) -> str | None:
-    """The skipped group a key belongs to (for the log line), or None if it is a text-model key."""
-    if key.startswith("mtp."):
-        return "mtp."
-    if key.startswith(prefix) or key == LM_HEAD_KEY:
-        return None
-    if prefix == HUB_PREFIX and key.startswith("model.") and key.split(".")[1] not in _TEXT_MODULES:
-        # siblings of model.language_model: model.visual.*, and anything else a multimodal wrapper
-        # adds; text names under the other prefix are a broken mixture and stay (-> unexpected)
-        return "model." + key.split(".")[1] + "."
-    if key.startswith("model.visual."):
-        return "model.visual."
-    return None
-
-
-def detect_layout(keys: Iterable[str], *, source: str = "checkpoint") -> tuple[HFLayout, list[str]]:
-    """Finds the text prefix and expert layout of a checkpoint's tensor names.
-
-    Returns ``(layout, text_keys)``: ``text_keys`` are the names left after skipping ``mtp.*`` and
-    the non-text siblings (``model.visual.*``); each skipped group gets one log line with its count.
-    """
-    keys = list(keys)
-    if any(k.startswith(HUB_PREFIX) for k in keys):
-        prefix = HUB_PREFIX
-    elif any(k.startswith(PLAIN_PREFIX) and not k.startswith("model.visual.") for k in keys):
-        prefix = PLAIN_PREFIX
-    else:
-        raise HFMappingError(
-            f"{source}: no text-model tensors (expected names under {HUB_PREFIX!r} or {PLAIN_PREFIX!r})"
-        )
-    skipped: dict[str, int] = {}
-    text_keys: list[str] = []
-    for k in keys:
-        group = _skip_group(k, prefix)
-        if group is None:
-            text_keys.append(k)
-        else:
-            skipped[group] = skipped.get(group, 0) + 1
-    for group, n in skipped.items():
-        logger.info("%s: skipping %d tensors under %r (not part of the text model)", source, n, group)
-
-    body = [k[len(prefix):] for k in text_keys if k.startswith(prefix)]
-    fused = next((k for k in body if _FUSED_RE.match(k)), None)
-    per_expert = next((k for k in body if _PER_EXPERT_RE.match(k)), None)
-    if fused and per_expert:
-        raise HFMappingError(
-            f"{source}: mixed expert layouts: {prefix + fused!r} (fused) and {prefix + per_expert!r} "
-            "(per expert)"
-        )
-    if not fused and not per_expert:
-        raise HFMappingError(
-            f"{source}: no routed-expert tensors found (expected {prefix}layers.N.mlp.experts.gate_up_proj "
-            f"or {prefix}layers.N.mlp.experts.E.gate_proj.weight)"
-        )
-    return HFLayout(prefix, FUSED if fused else PER_EXPERT), text_keys
-
-
-# --------------------------------------------------------------------------------------------
-# Rules: one HF tensor group <-> one group of our leaves
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """``kind`` says how ``hf`` keys (HF shapes derived from ours) map to ``ours`` flat keys."""
-
-    kind: str  # copy | T | rows (qkv) | conv | gate_up | down | experts
-    hf: tuple[str, ...]
-    ours: tuple[str, ...]
-    our_shapes: tuple[Shape, ...]
-
-    def hf_shapes(self) -> list[Shape]:
-        s = self.our_shapes
-        if self.kind == "copy":
-            return [s[0]]
-        if self.kind == "T":
-            return [s[0][::-1]]
-        if self.kind == "rows":  # ours [D, part] x3 -> [sum parts, D]
-            return [(sum(x[1] for x in s), s[0][0])]
-        if self.kind == "conv":  # ours [K, part] x3 -> [C, 1, K]
-            return [(sum(x[1] for x in s), 1, s[0][0])]
-        if self.kind == "gate_up":  # ours [E, D, I] x2 -> [E, 2I, D]
-            e, d, i = s[0]
-            return [(e, 2 * i, d)]
-        if self.kind == "down":  # ours [E, I, D] -> [E, D, I]
-            e, i, d = s[0]
-            return [(e, d, i)]
-        if self.kind == "experts":  # ours [E, a, b] -> E tensors [b, a]
-            e, a, b = s[0]
-            return [(b, a)] * e
-        raise AssertionError(self.kind)
-
-
-def _linear(kind: str, hf: str, ours: str, shapes: Mapping[str, Shape]) -> _Rule:
-    return _Rule(kind, (hf,), (ours,), (shapes[ours],))
-
-
-def global_rules(cfg: ModelConfig, layout: HFLayout) -> list[_Rule]:
-    s = _leaf_shapes(flatten(global_param_shapes(cfg)))
-    p = layout.prefix
-    rules = [
-        _linear("copy", p + "embed_tokens.weight", "embed.embedding", s),
-        _linear("copy", p + "norm.weight", "final_norm.scale", s),
-    ]
-    if not cfg.tie_word_embeddings:
-        rules.append(_linear("T", LM_HEAD_KEY, "lm_head.kernel", s))
-    return rules
-
-
-def _leaf_shapes(flat: Mapping[str, Any]) -> dict[str, Shape]:
-    # flatten() descends into shape tuples' parents only (tuples are leaves), so values are shapes
-    return {k: tuple(v) for k, v in flat.items()}
-
-
-def layer_rules(cfg: ModelConfig, layout: HFLayout, i: int) -> list[_Rule]:
-    """The rules of decoder layer ``i`` in HF module order (which is also our write order)."""
-    s = _leaf_shapes(flatten(layer_param_shapes(cfg, i)))
-    p = f"{layout.prefix}layers.{i}."
-    rules: list[_Rule] = []
-    if cfg.layer_types[i] == FULL:
-        a = p + "self_attn."
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            rules.append(_linear("T", f"{a}{n}.weight", f"attn.{n}.kernel", s))
-        for n in ("q_norm", "k_norm"):
-            rules.append(_linear("copy", f"{a}{n}.weight", f"attn.{n}.scale", s))
-    else:
-        g = p + "linear_attn."
-        qkv = ("gdn.in_proj_q.kernel", "gdn.in_proj_k.kernel", "gdn.in_proj_v.kernel")
-        conv = ("gdn.conv_q.kernel", "gdn.conv_k.kernel", "gdn.conv_v.kernel")
-        rules += [
-            _linear("copy", g + "dt_bias", "gdn.dt_bias", s),
-            _linear("copy", g + "A_log", "gdn.A_log", s),
-            _Rule("conv", (g + "conv1d.weight",), conv, tuple(s[k] for k in conv)),
-            _linear("copy", g + "norm.weight", "gdn.norm.scale", s),
-            _linear("T", g + "out_proj.weight", "gdn.out_proj.kernel", s),
-            _Rule("rows", (g + "in_proj_qkv.weight",), qkv, tuple(s[k] for k in qkv)),
-            _linear("T", g + "in_proj_z.weight", "gdn.in_proj_z.kernel", s),
-            _linear("T", g + "in_proj_b.weight", "gdn.in_proj_b.kernel", s),
-            _linear("T", g + "in_proj_a.weight", "gdn.in_proj_a.kernel", s),
-        ]
-    m = p + "mlp."
-    rules.append(_linear("T", m + "gate.weight", "moe.router.kernel", s))
-    if layout.expert_layout == FUSED:
-        rules += [
-            _Rule("gate_up", (m + "experts.gate_up_proj",), ("moe.wi_gate", "moe.wi_up"),
-                  (s["moe.wi_gate"], s["moe.wi_up"])),
-            _linear("down", m + "experts.down_proj", "moe.wo", s),
-        ]
-    else:
-        e = cfg.num_experts
-        for hf_name, ours in (("gate_proj", "moe.wi_gate"), ("up_proj", "moe.wi_up"), ("down_proj", "moe.wo")):
-            keys = tuple(f"{m}experts.{j}.{hf_name}.weight" for j in range(e))
-            rules.append(_Rule("experts", keys, (ours,), (s[ours],)))
-    for n in ("gate_proj", "up_proj", "down_proj"):
-        rules.append(_linear("T", f"{m}shared_expert.{n}.weight", f"moe.shared_{n}.kernel", s))
-    rules.append(_linear("T", m + "shared_expert_gate.weight", "moe.shared_gate.kernel", s))
-    rules += [
-        _linear("copy", p + "input_layernorm.weight", "input_norm.scale", s),
-        _linear("copy", p + "post_attention_layernorm.weight", "post_norm.scale", s),
-    ]
-    return rules
-
-
-def expected_hf_shapes(rules: Iterable[_Rule]) -> dict[str, Shape]:
-    """HF key -> HF shape, in rule order."""
-    out: dict[str, Shape] = {}
-    for r in rules:
-        out.update(zip(r.hf, r.hf_shapes()))
-    return out
-
-
-def all_expected_keys(cfg: ModelConfig, layout: HFLayout) -> dict[str, Shape]:
-    """Every HF text tensor the config implies (globals first, then layer by layer)."""
-    out = expected_hf_shapes(global_rules(cfg, layout))
-    for i in range(cfg.num_hidden_layers):
-        out.update(expected_hf_shapes(layer_rules(cfg, layout, i)))
-    return out
-
-
-def check_tensor_names(
-    cfg: ModelConfig, layout: HFLayout, text_keys: Iterable[str], *, source: str = "checkpoint"
-) -> None:
-    """Fails on the first missing HF tensor (named) and on any unexpected text tensor (all named)."""
-    present = set(text_keys)
-    expected = all_expected_keys(cfg, layout)
-    missing = [k for k in expected if k not in present]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise HFMappingError(f"{source}: missing tensor {missing[0]!r}{more}")
-    extra = sorted(present - set(expected))
-    if cfg.tie_word_embeddings and LM_HEAD_KEY in extra:
-        # a tied checkpoint may still carry the (identical) head; the embedding is the one we keep
-        logger.info("%s: tie_word_embeddings=true, ignoring %r", source, LM_HEAD_KEY)
-        extra.remove(LM_HEAD_KEY)
-    if extra:
-        shown = ", ".join(repr(k) for k in extra[:8]) + (f" ... ({len(extra)} in all)" if len(extra) > 8 else "")
-        raise HFMappingError(f"{source}: unexpected tensors not in the config's model: {shown}")
-
 
 # --------------------------------------------------------------------------------------------
 # HF -> ours
@@ -318,6 +90,25 @@ def _same_dtype(keys: Iterable[str], arrays: Iterable[Any]) -> np.dtype:
                 f"{k!r} has dtype {a.dtype} but {pairs[0][0]!r} has {dt}; they share one HF tensor"
             )
     return dt
+
+
+def _clover_to_ours(
+    rule: _Rule, get: Callable[[str], np.ndarray], shape_of: Callable[[str], Shape],
+    dtype_of: Callable[[str], np.dtype], source: str,
+) -> list[np.ndarray]:
+    """Our leaves of a Clover rule (``[]`` if the model has none: the HF tensor is only checked)."""
+    if rule.hf:
+        key = rule.hf[0]
+        hc.check_shape(key, shape_of(key), rule.accepted_hf_shapes(), source)
+        if not rule.ours:
+            return []
+        arr = np.asarray(get(key))
+        if rule.kind == "bd_scalars":
+            return [hc.scalars_to_ours(key, arr, rule.our_shapes[0][0], rule.init, source)]
+        return hc.right_to_ours(key, arr, rule.our_shapes, source)
+    if rule.kind == "bd_scalars":  # not in the checkpoint: init values
+        return [hc.init_scalars(rule.our_shapes[0][0], rule.init)]
+    return hc.init_right(rule.our_shapes, np.dtype(dtype_of(rule.like)))
 
 
 def _apply_to_ours(rule: _Rule, arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -386,6 +177,11 @@ def _row_ranges(n_rows: int, shape: Shape, itemsize: int, max_bytes: int | None)
 def _fill_from_source(rule: _Rule, src: TensorSource, source: str, max_bytes: int | None) -> list[np.ndarray]:
     """Our (C-contiguous) leaves of one rule, read from ``src`` in row blocks of ~``max_bytes``:
     peak memory is the outputs plus one block, never the HF tensor next to its transposed copy."""
+    if rule.kind in ("bd_scalars", "bd_right"):  # small: read whole
+        for key in rule.hf:
+            if key not in src:
+                raise HFMappingError(f"{source}: missing tensor {key!r}")
+        return _clover_to_ours(rule, src.get, src.shape, src.dtype, source)
     dt = _checked_keys(rule, src, source)
     k, hf, hf_shape = rule.kind, rule.hf[0], rule.hf_shapes()[0]
     if k == "copy":
@@ -437,6 +233,11 @@ def _iter_to_ours(
         if stream:
             yield from zip(r.ours, _fill_from_source(r, tensors, source, max_bytes))
             continue
+        if r.kind in ("bd_scalars", "bd_right"):
+            yield from zip(r.ours, _clover_to_ours(r, lambda k: _present(tensors, k, source),
+                                                   lambda k: _present(tensors, k, source).shape,
+                                                   lambda k: _present(tensors, k, source).dtype, source))
+            continue
         arrays = []
         for key, shape in zip(r.hf, r.hf_shapes()):
             if key not in tensors:
@@ -445,6 +246,12 @@ def _iter_to_ours(
             arrays.append(np.asarray(tensors[key]))
         yield from zip(r.ours, _apply_to_ours(r, arrays))
         del arrays
+
+
+def _present(tensors: Mapping[str, np.ndarray], key: str, source: str) -> Any:
+    if key not in tensors:
+        raise HFMappingError(f"{source}: missing tensor {key!r}")
+    return tensors[key]
 
 
 def _to_ours(
@@ -511,10 +318,24 @@ def _gate_up_blocks(gate: np.ndarray, up: np.ndarray, max_bytes: int | None) -> 
         del out
 
 
-def _hf_blocks(rule: _Rule, arrays: list[np.ndarray], max_bytes: int | None) -> list[tuple[str, Iterator[np.ndarray]]]:
+def _hf_blocks(
+    rule: _Rule, arrays: list[np.ndarray], max_bytes: int | None, like: Callable[[str], Any] | None = None
+) -> list[tuple[str, Iterator[np.ndarray]]]:
     """``[(hf_key, blocks)]`` of one rule: each HF tensor as lazy C-contiguous leading-axis blocks of
-    ~``max_bytes`` (an already contiguous leaf is its own single block, uncopied)."""
+    ~``max_bytes`` (an already contiguous leaf is its own single block, uncopied). ``like(key)``
+    gives the leaf whose dtype a filled-in Clover tensor takes."""
     k = rule.kind
+    if k in ("bd_scalars", "bd_right"):
+        if not rule.hf:
+            return []  # the format has no such tensor: dropped
+        if k == "bd_scalars":
+            arr = arrays[0] if rule.ours else hc.init_scalars(rule.our_shapes[0][0], rule.init)
+            return [(rule.hf[0], row_blocks(arr, max_bytes))]
+        if rule.ours:
+            _same_dtype(rule.ours, arrays)
+            return [(rule.hf[0], chain.from_iterable(row_blocks(a.T, max_bytes) for a in arrays))]
+        dt = np.dtype(np.asarray(like(rule.like)).dtype)
+        return [(rule.hf[0], row_blocks(hc.right_to_hf(hc.init_right(rule.our_shapes, dt)), max_bytes))]
     if k == "copy":
         return [(rule.hf[0], row_blocks(arrays[0], max_bytes))]
     if k == "T":
@@ -533,14 +354,15 @@ def _hf_blocks(rule: _Rule, arrays: list[np.ndarray], max_bytes: int | None) -> 
     raise AssertionError(k)
 
 
-def _assemble(shape: Shape, dtype: np.dtype, blocks: Iterable[np.ndarray]) -> np.ndarray:
-    """One C-contiguous array from row blocks (a single whole block is returned as is)."""
+def _assemble(shape: Shape, dtype: np.dtype | None, blocks: Iterable[np.ndarray]) -> np.ndarray:
+    """One C-contiguous array from row blocks (a single whole block is returned as is); ``dtype``
+    None = the blocks' own."""
     out, row = None, 0
     for b in blocks:
         if out is None:
             if b.shape == tuple(shape):
                 return b
-            out = np.empty(shape, dtype)
+            out = np.empty(shape, dtype or b.dtype)
         out[row:row + b.shape[0]] = b
         row += b.shape[0]
     return out if out is not None else np.empty(shape, dtype)
@@ -551,15 +373,15 @@ def _iter_to_hf_blocks(
 ) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
     flat = _our_leaves(rules, tree, where)
     for r in rules:
-        yield from _hf_blocks(r, [np.asarray(flat[k]) for k in r.ours], max_bytes)
+        yield from _hf_blocks(r, [np.asarray(flat[k]) for k in r.ours], max_bytes, flat.__getitem__)
 
 
 def _iter_to_hf(rules: list[_Rule], tree: Tree, where: str) -> Iterator[tuple[str, np.ndarray]]:
     flat = _our_leaves(rules, tree, where)
     for r in rules:
         arrays = [np.asarray(flat[k]) for k in r.ours]
-        for (key, blocks), shape in zip(_hf_blocks(r, arrays, None), r.hf_shapes()):
-            yield key, _assemble(shape, arrays[0].dtype, blocks)
+        for (key, blocks), shape in zip(_hf_blocks(r, arrays, None, flat.__getitem__), r.hf_shapes()):
+            yield key, _assemble(shape, arrays[0].dtype if arrays else None, blocks)
 
 
 def _to_hf(rules: list[_Rule], tree: Tree, where: str) -> list[tuple[str, np.ndarray]]:
@@ -620,6 +442,12 @@ def iter_globals_to_hf_blocks(
 def _specs(rules: list[_Rule], dtypes: Mapping[str, Any], where: str) -> list[tuple[str, Shape, np.dtype]]:
     out = []
     for r in rules:
+        if r.kind in ("bd_scalars", "bd_right") and r.hf and not r.ours:  # filled in on write
+            dt = np.dtype(np.float32) if r.kind == "bd_scalars" else np.dtype(dtypes[r.like])
+            out.extend((k, sh, dt) for k, sh in zip(r.hf, r.hf_shapes()))
+            continue
+        if not r.hf:  # dropped on write
+            continue
         missing = [k for k in r.ours if k not in dtypes]
         if missing:
             raise HFMappingError(f"{where}: no dtype recorded for param {missing[0]!r}")
@@ -649,7 +477,7 @@ def globals_hf_specs(
 
 __all__ = [
     "EXPERT_LAYOUTS", "FUSED", "HFLayout", "HFMappingError", "HUB_PREFIX", "LM_HEAD_KEY", "PER_EXPERT",
-    "PLAIN_PREFIX", "TEXT_PREFIXES", "all_expected_keys", "check_tensor_names", "detect_layout",
+    "PLAIN_PREFIX", "TEXT_PREFIXES", "all_expected_keys", "check_hf_shapes", "check_tensor_names", "detect_layout",
     "TensorSource", "expected_hf_shapes", "global_rules", "globals_hf_specs", "globals_to_hf", "hf_to_globals",
     "hf_to_layer", "iter_globals_to_hf_blocks", "iter_hf_globals", "iter_layer_to_hf", "iter_layer_to_hf_blocks",
     "layer_hf_specs", "layer_rules", "layer_to_hf",

@@ -12,3 +12,7 @@ __all__ = [
     "chunk_gated_delta_rule_ref",
     "recurrent_gated_delta_rule_ref",
 ]
+
+from .gdn_block_reference import block_gated_delta_rule_ref, block_readout_ref  # noqa: E402
+
+__all__ += ["block_gated_delta_rule_ref", "block_readout_ref"]

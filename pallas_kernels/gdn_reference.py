@@ -143,7 +143,8 @@ def chunk_gated_delta_rule_ref(
     segment_ids: jax.Array | None = None,
     chunk_size: int = 64,
     scale: float | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    return_chunk_states: bool = False,
+) -> tuple[jax.Array, ...]:
     """Chunked WY/UT form of the gated delta rule: dense math inside a chunk, ``lax.scan`` over chunks.
 
     Equal to :func:`recurrent_gated_delta_rule_ref` for any ``chunk_size`` (fp32 round-off). T need
@@ -158,7 +159,9 @@ def chunk_gated_delta_rule_ref(
     ``prev`` and receives only tokens of the chunk's last document.
 
     Args: see the module docstring; ``chunk_size`` is a static int >= 1.
-    Returns: ``(o_BTHV in v's dtype, final_state_BHKV fp32)``.
+    Returns: ``(o_BTHV in v's dtype, final_state_BHKV fp32)``, plus with ``return_chunk_states`` the
+    state carried INTO every chunk ``[B, N, H, dk, dv]`` fp32 (chunk n's entry = the state after
+    tokens < n*C, still in the document of token n*C - 1; the block-mode GDN reads it as history).
     """
     B, T, H, K, V = _check_inputs(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_state, segment_ids)
     if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -232,15 +235,19 @@ def chunk_gated_delta_rule_ref(
         delta_BHCV = u_BHCV - _einsum("bhck,bhkv->bhcv", w_BHCK, S_BHKV)
         o_BHCV = (_einsum("bhck,bhkv->bhcv", q_dec_BHCK, S_BHKV)
                   + _einsum("bhij,bhjv->bhiv", attn_BHCC, delta_BHCV))
+        S_in_BHKV = S_BHKV
         S_BHKV = (S_BHKV * state_decay_BH[..., None, None]
                   + _einsum("bhck,bhcv->bhkv", k_dec_BHCK, delta_BHCV))
-        return S_BHKV, o_BHCV
+        return S_BHKV, ((o_BHCV, S_in_BHKV) if return_chunk_states else o_BHCV)
 
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B, H, N, ...] -> [N, B, H, ...]
     xs = tuple(map(chunk_major, (u_BHNCV, w_BHNCK, q_dec_BHNCK, attn_BHNCC, k_dec_BHNCK, state_decay_BHN)))
     state0_BHKV = (jnp.zeros((B, H, K, V), f32) if initial_state is None
                    else initial_state.astype(f32))
-    final_BHKV, o_NBHCV = lax.scan(step, state0_BHKV, xs)
+    final_BHKV, ys = lax.scan(step, state0_BHKV, xs)
+    o_NBHCV, states_NBHKV = ys if return_chunk_states else (ys, None)
 
     o_BTHV = jnp.transpose(o_NBHCV, (1, 0, 3, 2, 4)).reshape(B, N * C, H, V)[:, :T]
+    if return_chunk_states:
+        return o_BTHV.astype(v_BTHV.dtype), final_BHKV, jnp.moveaxis(states_NBHKV, 0, 1)
     return o_BTHV.astype(v_BTHV.dtype), final_BHKV

@@ -222,3 +222,71 @@ def hf_logits(model: torch.nn.Module, input_ids: np.ndarray) -> np.ndarray:
     """Logits [B, T, V] (fp32 numpy) of an HF causal LM for int token ids [B, T]."""
     out = model(input_ids=torch.as_tensor(np.asarray(input_ids), dtype=torch.long))
     return out.logits.float().numpy()
+
+
+# ------------------------------------------------------------------------------------------
+# Clover checkpoints (additive; tests/test_clover_format.py). Written from DESIGN.md 2.2 / 3.2
+# directly with safetensors.torch, independent of clover_jax's writer.
+# ------------------------------------------------------------------------------------------
+
+CLOVER_SCALARS = "bd_gdn_softmax_scalars"
+CLOVER_CONV_RIGHT = "bd_gdn_conv_right_weight"
+
+
+def clover_tensors(
+    text_cfg: Qwen3_5MoeTextConfig, prefix: str = "model.language_model.", *, seed: int = 0,
+    scalar_cols: int | None = 3, right_shape: str = "CK", dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, torch.Tensor]:
+    """Random Clover tensors for every GDN layer: `..linear_attn.bd_gdn_softmax_scalars` fp32
+    [nv, scalar_cols] ([nv] for None), `..linear_attn.bd_gdn_conv_right_weight` `dtype`
+    [C, K-1] ("CK") or [C, 1, K-1] ("C1K"), C = 2 * key_dim + value_dim."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    nv = text_cfg.linear_num_value_heads
+    c = 2 * text_cfg.linear_num_key_heads * text_cfg.linear_key_head_dim + nv * text_cfg.linear_value_head_dim
+    k1 = text_cfg.linear_conv_kernel_dim - 1
+    out: dict[str, torch.Tensor] = {}
+    for i, t in enumerate(text_cfg.layer_types):
+        if t != "linear_attention":
+            continue
+        p = f"{prefix}layers.{i}.linear_attn."
+        shape = (nv,) if scalar_cols is None else (nv, scalar_cols)
+        out[p + CLOVER_SCALARS] = (torch.rand(shape, generator=g) * 4 + 0.5).to(torch.float32)
+        rshape = (c, k1) if right_shape == "CK" else (c, 1, k1)
+        out[p + CLOVER_CONV_RIGHT] = (0.3 * torch.randn(rshape, generator=g)).to(dtype)
+    return out
+
+
+def clover_config(text_cfg: Qwen3_5MoeTextConfig, **fields: Any) -> dict[str, Any]:
+    """A `clover_moe` config.json dict: the text config's fields plus the block-diffusion `fields`
+    (e.g. block_size=[4, 8], mask_token_id=200), as given."""
+    d = text_cfg.to_dict()
+    d.update(model_type="clover_moe", architectures=["CloverMoeForCausalLM"], **fields)
+    return d
+
+
+def write_clover_hub(
+    model: Qwen3_5MoeForCausalLM, out_dir: str | Path, bd: dict[str, torch.Tensor], config: dict[str, Any], *,
+    max_shard_bytes: int = 40_000,
+) -> Path:
+    """Hub-style Clover dir: `hub_tensors(model)` (bf16 + fp32 A_log / GDN norm, fused experts,
+    prefix `model.language_model.`, mtp / visual extras) plus the Clover tensors `bd`, sharded,
+    with `config` as config.json and a generation_config.json (no tokenizer: add one)."""
+    out_dir = Path(out_dir)
+    write_sharded({**hub_tensors(model), **bd}, out_dir, max_shard_bytes)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "pad_token_id": 0}))
+    return out_dir
+
+
+def write_small_tokenizer(out_dir: str | Path, n_words: int = 200) -> int:
+    """A real (loadable) word-level HF tokenizer over `w0 .. w{n-1}` (`wi` has id i; unknown words
+    map to `w0`), saved as tokenizer.json / tokenizer_config.json. Returns its size, the id a new
+    added token gets."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n_words)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w1")
+    tok.save_pretrained(str(out_dir))
+    return len(tok)

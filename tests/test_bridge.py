@@ -178,8 +178,7 @@ def test_tied_embeddings_round_trip(tmp_path):
 
 
 def test_export_formats(hub_ckpt, tmp_path):
-    with pytest.raises(NotImplementedError, match="clover export lands with the block-diffusion issue"):
-        bridge.export_orbax_to_hf(hub_ckpt, tmp_path / "o", format="clover")
+    # format="clover" works since the Clover format landed: tests/test_clover_format.py
     with pytest.raises(ValueError, match="unknown export format 'gguf'"):
         bridge.export_orbax_to_hf(hub_ckpt, tmp_path / "o", format="gguf")
     with pytest.raises(hk.HFMappingError, match="unknown expert layout 'stacked'"):

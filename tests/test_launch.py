@@ -86,14 +86,16 @@ def test_export_refuses_existing_out_dir(converted, tmp_path, capsys):
     assert rc == 0, err
 
 
-def test_export_clover_format_is_pending(converted, tmp_path, capsys):
-    """`--format clover` is offered by the CLI but lands with the block-diffusion issue: like the pending
-    commands it must exit 2 with a message naming that issue, not end in a NotImplementedError traceback."""
+def test_export_clover_format(converted, tmp_path, capsys):
+    """`--format clover` of an AR checkpoint writes a `clover_moe` dir (its Clover tensors at their init
+    values; the format itself is tested in tests/test_clover_format.py)."""
     exp = tmp_path / "clover"
     rc, _, err = _main(["export", "--checkpoint", str(converted), "--out", str(exp), "--format", "clover"],
                        capsys)
-    assert rc == 2 and "block-diffusion issue" in err
-    assert not exp.exists()
+    assert rc == 0, err
+    assert json.loads((exp / "config.json").read_text())["model_type"] == "clover_moe"
+    assert ModelConfig.from_hf_file(exp).mode == "block"
+    assert "model.layers.0.linear_attn.bd_gdn_softmax_scalars" in read_all_tensors(exp)
 
 
 def test_convert_refuses_existing_checkpoint(hf_dir, converted, capsys):
