@@ -1,0 +1,17 @@
+"""SFT data pipeline: agent-mix sources -> canonical chat records -> rendered documents with the
+assistant loss mask -> block-aligned packed rows -> batches (DESIGN.md 3.1, 3.3, 6).
+
+Modules: ``config`` (DataConfig / SourceConfig), ``records`` (canonical schema, DataError),
+``readers`` (files, globs, datasets), ``converters`` (one per source schema), ``sources`` (open +
+validate + split), ``render`` (chat template + loss mask), ``packing`` (block-aligned packer),
+``pipeline`` (Grain mixing, checkpointable batch iterator), ``synthetic`` (our agent traces).
+"""
+
+from sft.data.config import DataConfig, FilterConfig, SourceConfig, block_align_for
+from sft.data.pipeline import PackedBatchIterator, SFTData
+from sft.data.records import DataError, normalize_record
+from sft.data.render import ChatRenderer, Doc
+from sft.data.synthetic import generate_records, write_jsonl
+
+__all__ = ["ChatRenderer", "DataConfig", "DataError", "Doc", "FilterConfig", "PackedBatchIterator",
+           "SFTData", "SourceConfig", "block_align_for", "generate_records", "normalize_record", "write_jsonl"]
