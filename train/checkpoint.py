@@ -1,0 +1,181 @@
+"""Train checkpoints: an Orbax `CheckpointManager` over `checkpoint.dir`, one step directory each.
+
+Items of a step directory ``<dir>/<step>/``:
+
+    params/     the master params pytree (StandardSave: sharded arrays, restorable to any sharding)
+    opt_state/  the optax state pytree
+    progress/   {"step": int32 [], "rng": uint32 key data}
+    data/       JSON: the data iterator's state after the last batch of that step (opaque to us)
+    config/     JSON: the run config the caller handed over (for provenance and `export`)
+
+Atomicity is Orbax's: a save writes ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>``
+only when every item is complete (on filesystems without atomic rename, e.g. GCS, it writes a commit
+file instead). A process killed mid-save leaves only the tmp directory, which `all_steps()` never
+lists and the next manager deletes, so a restore always takes the newest complete step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from train.config import CheckpointConfig
+from train.optimizer import path_str
+from train.state import TrainState
+
+log = logging.getLogger(__name__)
+
+ARRAY_ITEMS = ("params", "opt_state", "progress")
+JSON_ITEMS = ("data", "config")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be restored into the given state; the message names the item/key."""
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """Restore target of one leaf: shape, dtype and sharding (the target layout, which may differ from
+    the saved one). Leaves without a sharding (plain `eval_shape`) land on the first local device."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
+
+
+def _json_checked(value: Any, what: str) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{what} must be JSON-serialisable: {e}") from None
+    return value
+
+
+class Checkpointer:
+    """Saves / restores `TrainState` + data state + run config under `cfg.dir`.
+
+    `save` returns once the arrays are copied off the device (async mode), so the caller may donate
+    the state to the next step right away; `wait()` blocks until the write is final.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, *, run_config: Mapping[str, Any] | None = None):
+        if cfg.dir is None:
+            raise CheckpointError("checkpoint.dir is not set")
+        self.cfg = cfg
+        self.directory = Path(cfg.dir).absolute()
+        self.run_config = _json_checked(dict(run_config or {}), "run_config")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep, create=True, enable_async_checkpointing=cfg.async_save,
+            cleanup_tmp_directories=True,
+        )
+        # explicit handlers: a fresh manager then reads item metadata before any save/restore
+        handlers = {**{k: ocp.StandardCheckpointHandler() for k in ARRAY_ITEMS},
+                    **{k: ocp.JsonCheckpointHandler() for k in JSON_ITEMS}}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    # ------------------------------------------------------------------------------------------ queries
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def should_save(self, step: int) -> bool:
+        """Periodic save due after `step` updates (every_steps = 0: never periodic)."""
+        return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    # ------------------------------------------------------------------------------------------ save
+    def save(self, state: TrainState, *, data_state: Mapping[str, Any] | None = None) -> int:
+        """Saves `state` under its own step; a step already on disk is left alone. Returns the step."""
+        step = int(jax.device_get(state.step))
+        if step in self.manager.all_steps():
+            return step
+        data = _json_checked(dict(data_state or {}), f"data iterator state at step {step}")
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(state.params),
+            opt_state=ocp.args.StandardSave(state.opt_state),
+            progress=ocp.args.StandardSave({"step": state.step, "rng": state.rng}),
+            data=ocp.args.JsonSave(data),
+            config=ocp.args.JsonSave(self.run_config),
+        )
+        self.manager.save(step, args=args, force=True)
+        return step
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # ------------------------------------------------------------------------------------------ restore
+    def _check_item(self, step: int, item: str, target: Any) -> None:
+        """Same leaf names and shapes as the checkpoint, else an error naming the first difference."""
+        meta = self.manager.item_metadata(step)[item]
+        if meta is None:
+            raise CheckpointError(f"checkpoint {self.step_dir(step)}: no metadata for item {item!r}")
+        tree = getattr(meta, "tree", meta)
+        saved = {m.name: tuple(m.shape) for m in jax.tree.leaves(tree) if hasattr(m, "shape")}
+        want = {path_str(p): tuple(jnp.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(target)}
+        where = f"checkpoint {self.step_dir(step)} item {item!r}"
+        hint = " (did optimizer.trainable / optimizer.frozen change?)" if item == "opt_state" else ""
+        for k in want:
+            if k not in saved:
+                raise CheckpointError(f"{where}: missing {k!r}{hint}")
+        extra = sorted(set(saved) - set(want))
+        if extra:
+            raise CheckpointError(f"{where}: unexpected entries {extra[:5]}{hint}")
+        for k, sh in want.items():
+            if saved[k] != sh:
+                raise CheckpointError(f"{where}: {k!r} has shape {saved[k]}, expected {sh}")
+
+    def restore(self, abstract_state: TrainState, step: int | None = None
+                ) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
+        """(state, data_state, run_config) of `step` (default: the newest complete one), with every
+        array in the dtype and sharding of `abstract_state` (arrays or ShapeDtypeStructs)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        if step not in self.manager.all_steps():
+            raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}; "
+                                  f"have {self.all_steps()}")
+        targets = {
+            "params": abstract_state.params,
+            "opt_state": abstract_state.opt_state,
+            "progress": {"step": abstract_state.step, "rng": abstract_state.rng},
+        }
+        for item, target in targets.items():
+            self._check_item(step, item, target)
+        args = ocp.args.Composite(
+            **{k: ocp.args.StandardRestore(jax.tree.map(_abstract, v)) for k, v in targets.items()},
+            data=ocp.args.JsonRestore(), config=ocp.args.JsonRestore(),
+        )
+        out = self.manager.restore(step, args=args)
+        progress = out["progress"]
+        state = TrainState(params=out["params"], opt_state=out["opt_state"], step=progress["step"],
+                           rng=progress["rng"])
+        if int(jax.device_get(state.step)) != step:
+            raise CheckpointError(f"checkpoint {self.step_dir(step)}: stored step "
+                                  f"{int(jax.device_get(state.step))} != directory step {step}")
+        return state, dict(out["data"] or {}), dict(out["config"] or {})
+
+    def restore_params(self, abstract_params: Any, step: int | None = None) -> Any:
+        """Only the params item (eval, export), in the layout of `abstract_params`."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        self._check_item(step, "params", abstract_params)
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(jax.tree.map(_abstract, abstract_params))))
+        return out["params"]
+
+
+__all__ = ["CheckpointError", "Checkpointer"]

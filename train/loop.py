@@ -1,0 +1,214 @@
+"""The training loop: resume, steps, eval, logging, periodic/final/SIGTERM checkpoints.
+
+Resume is exact: a checkpoint after step s holds the state after s updates and the data iterator's
+state after s batches, so the resumed run draws batch s+1 next (nothing skipped, nothing repeated)
+and, the step being deterministic, reproduces the interrupted run's losses bit for bit.
+
+SIGTERM (preemption): the handler only sets a flag; the loop finishes the step in flight, saves a
+checkpoint, waits for it to be final, prints a message and returns with ``preempted=True`` (the
+caller decides the exit code). With several processes the flag is agreed on by all of them every
+`train.log_every` steps (a tiny all-gather), so they save the same step.
+
+Multi-process data state: `data_state_fn` runs on every process but the checkpoint keeps one JSON
+(Orbax writes it from the primary process), so it must be the same on every process, e.g. the
+global batch index of an index-based pipeline where each process reads its slice of batch k.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import jax
+import numpy as np
+
+from train.checkpoint import Checkpointer
+from train.config import TrainerConfig
+from train.logging import MetricsLogger
+from train.state import TrainState
+
+BatchFactory = Callable[[dict[str, Any] | None], Iterator[Any]]
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    state: TrainState
+    step: int
+    preempted: bool  # stopped by SIGTERM (a checkpoint of `step` was written)
+    data_exhausted: bool  # the batches ran out before `train.steps`
+    resumed_from: int | None  # the checkpoint step this run started from
+
+
+class _SigtermFlag:
+    """Installs a SIGTERM handler that sets a flag (main thread only; elsewhere a no-op).
+
+    With several processes the flag must be agreed on, so that all of them save the same step: an
+    all-gather, done only every `sync_every` steps (it waits for the device queue, so every step
+    would stall the dispatch pipeline). A single process reads its flag every step.
+    """
+
+    def __init__(self, enabled: bool, sync_every: int):
+        self.flag = False
+        self.sync_every = max(sync_every, 1)
+        self._prev: Any = None
+        self._installed = enabled and threading.current_thread() is threading.main_thread()
+
+    def __enter__(self) -> "_SigtermFlag":
+        if self._installed:
+            self._prev = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.flag = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._prev)
+
+    def agreed(self, step: int, *, final: bool = False) -> bool:
+        if jax.process_count() == 1:
+            return self.flag
+        if not final and step % self.sync_every:
+            return False
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.flag))))
+
+
+def _tokens(batch: Any, metrics: Mapping[str, Any], tokens_per_step: int | None) -> Any:
+    if "tokens" in metrics:
+        return metrics["tokens"]
+    if tokens_per_step is not None:
+        return tokens_per_step
+    leaves = jax.tree.leaves(batch)
+    return int(np.prod(np.shape(leaves[0]))) if leaves else 0
+
+
+def _abstract_state(state: TrainState | Callable[[], TrainState]) -> TrainState:
+    if callable(state):
+        return jax.eval_shape(state)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), state)
+
+
+def _open_batches(batches: BatchFactory | Iterable[Any], data_state: dict[str, Any] | None) -> Iterator[Any]:
+    if callable(batches) and not hasattr(batches, "__next__"):
+        return iter(batches(data_state))
+    it = iter(batches)
+    if data_state:
+        if not hasattr(it, "set_state"):
+            raise TypeError("resuming needs the data iterator's state restored: pass a factory "
+                            "`batches(data_state) -> iterator` or an iterator with set_state()")
+        it.set_state(data_state)
+    return it
+
+
+def run(
+    train_step: Callable[[TrainState, Any], tuple[TrainState, Mapping[str, Any]]],
+    state: TrainState | Callable[[], TrainState],
+    batches: BatchFactory | Iterable[Any],
+    *,
+    config: TrainerConfig,
+    data_state_fn: Callable[[], Mapping[str, Any]] | None = None,
+    eval_fn: Callable[[TrainState], Mapping[str, Any]] | None = None,
+    run_config: Mapping[str, Any] | None = None,
+    flops_per_step: float | None = None,
+    peak_flops: float | None = None,
+    tokens_per_step: int | None = None,
+    on_checkpoint: Callable[[int, TrainState], None] | None = None,
+    on_step: Callable[[int, TrainState, Mapping[str, Any]], None] | None = None,
+    checkpointer: Checkpointer | None = None,
+    logger: MetricsLogger | None = None,
+    abstract_state: TrainState | None = None,
+) -> LoopResult:
+    """Trains until `config.train.steps` updates (counting those of a resumed checkpoint).
+
+    state: a `TrainState`, or a zero-argument function making one (called only when there is no
+      checkpoint to resume, so a resumed run never loads its initial weights).
+    batches: `batches(data_state) -> iterator` (data_state None on a fresh start), or an iterator
+      (with `set_state` to resume). `data_state_fn()` returns the iterator's JSON-able state after
+      the last batch drawn (default: the iterator's `get_state` when it has one).
+    eval_fn(state) -> scalar metrics, every `train.eval_every` steps (logged as ``eval/<name>``).
+    on_checkpoint(step, state) after each save is issued; on_step(step, state, metrics) after each step.
+    abstract_state: the restore target (shapes, dtypes, shardings); default: derived from `state`
+      (`jax.eval_shape` of the function, so make that cheap to trace, or pass this).
+    A `checkpointer` / `logger` passed in is flushed but left open; the ones made here are closed.
+    """
+    tc, cc = config.train, config.checkpoint
+    ckpt, own_ckpt, own_log = checkpointer, False, logger is None
+    if ckpt is None and cc.dir is not None:
+        ckpt, own_ckpt = Checkpointer(cc, run_config=run_config), True
+    log = logger or MetricsLogger(config.logging, total_steps=tc.steps, log_every=tc.log_every,
+                                  run_config=run_config, flops_per_step=flops_per_step, peak_flops=peak_flops)
+
+    data_state: dict[str, Any] | None = None
+    resumed_from = ckpt.latest_step() if ckpt is not None else None
+    if resumed_from is not None:
+        target = abstract_state if abstract_state is not None else _abstract_state(state)
+        state, data_state, _ = ckpt.restore(target, resumed_from)
+    elif callable(state):
+        state = state()
+    it = _open_batches(batches, data_state)
+    if data_state_fn is None and hasattr(it, "get_state"):
+        data_state_fn = it.get_state
+
+    step = int(jax.device_get(state.step))
+    log.start(step)
+    if resumed_from is not None:
+        log.message(f"resumed from checkpoint step {resumed_from} in {ckpt.directory}")
+    last_saved = resumed_from
+    preempted = exhausted = False
+
+    def save() -> None:
+        nonlocal last_saved
+        if ckpt is None or last_saved == step:
+            return
+        ckpt.save(state, data_state=data_state_fn() if data_state_fn is not None else None)
+        last_saved = step
+        if on_checkpoint is not None:
+            on_checkpoint(step, state)
+
+    try:
+        with _SigtermFlag(cc.save_on_sigterm, tc.log_every) as sigterm:
+            while step < tc.steps:
+                if sigterm.agreed(step):
+                    preempted = True
+                    break
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    exhausted = True
+                    log.message(f"data exhausted after {step} steps (train.steps={tc.steps})")
+                    break
+                state, metrics = train_step(state, batch)
+                step += 1
+                eval_metrics = None
+                if eval_fn is not None and tc.eval_every and step % tc.eval_every == 0:
+                    eval_metrics = eval_fn(state)
+                log.record(step, metrics, _tokens(batch, metrics, tokens_per_step), eval_metrics=eval_metrics)
+                if on_step is not None:
+                    on_step(step, state, metrics)
+                if ckpt is not None and ckpt.should_save(step):
+                    save()
+            else:
+                preempted = sigterm.agreed(step, final=True)
+            if preempted:
+                save()
+                if ckpt is not None:
+                    ckpt.wait()
+                where = f"checkpoint step {step} saved to {ckpt.directory}" if ckpt is not None else "no checkpoint dir"
+                log.message(f"SIGTERM received: stopped after step {step}; {where}; exiting")
+        if not preempted and ckpt is not None and cc.save_final:
+            save()
+    finally:
+        log.flush(step)
+        if ckpt is not None:
+            ckpt.close() if own_ckpt else ckpt.wait()
+        if own_log:
+            log.close()
+    return LoopResult(state=state, step=step, preempted=preempted, data_exhausted=exhausted,
+                      resumed_from=resumed_from)
+
+
+__all__ = ["LoopResult", "run"]
