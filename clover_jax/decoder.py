@@ -50,8 +50,12 @@ class DecoderLayer(nnx.Module):
             h, cache = mixer.two_stream(self.input_norm(x_BTD), mixer_ctx), None
         else:
             h, cache = mixer.block_step(self.input_norm(x_BTD), mixer_ctx, cache), None
+            # the GDN block step also reports its history-unit share (NaN marks attention layers)
+            h, share = h if isinstance(h, tuple) else (h, jnp.float32(jnp.nan))
         h = x_BTD + h
         m, aux = self.moe(self.post_norm(h), ctx)
+        if stream == "block_step":
+            aux = {**aux, "history_share": share}
         return h + m, cache, aux
 
 

@@ -232,8 +232,10 @@ class GatedDeltaNet(nnx.Module):
         z = jnp.concatenate([clean["z"], noisy["z"]], axis=1)
         return self.output(jnp.concatenate([o_c, o_n], axis=1), z, x_BSD.dtype)
 
-    def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]) -> jax.Array:
-        """Decode side: one noisy canvas [B, Bk, D] against the clean caches (read only) -> [B, Bk, D].
+    def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]
+                   ) -> tuple[jax.Array, jax.Array]:
+        """Decode side: one noisy canvas [B, Bk, D] against the clean caches (read only) -> ([B, Bk, D],
+        mean softmax share of the history unit over the canvas' non-pad tokens and heads).
         `ctx`: `segment_ids` [B, Bk], `ring_segment_ids` [B, L], `continues` [B, Bk] (token continues
         the cached document, so the history unit is present)."""
         c = self.cfg
@@ -245,10 +247,12 @@ class GatedDeltaNet(nnx.Module):
         b, bk = seg.shape
         add_n = lambda a: a[:, None]  # noqa: E731  one block
         same_doc = seg[:, :, None] == seg[:, None, :]
-        o = pallas_kernels.block_readout_ref(
+        o, p_hist = pallas_kernels.block_readout_ref(
             add_n(q), add_n(k), add_n(v), cache["state"][:, None], same_doc[:, None], add_n(ctx["continues"]),
-            self.bd_gdn_softmax_scalars[...], bk)
-        return self.output(o[:, 0], mixed["z"], x_BKD.dtype)
+            self.bd_gdn_softmax_scalars[...], bk, return_history_prob=True)
+        real = (seg != 0)[:, :, None].astype(jnp.float32)  # 0 = the pad segment
+        share = jnp.sum(p_hist[:, 0] * real) / jnp.maximum(jnp.sum(real) * p_hist.shape[-1], 1.0)
+        return self.output(o[:, 0], mixed["z"], x_BKD.dtype), share
 
 
 class _ConvKernel(nnx.Module):

@@ -259,13 +259,15 @@ class CloverModel(nnx.Module):
 
     def block_step(
         self, canvas_ids_BK: jax.Array, cache: dict[str, Any], *, positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-    ) -> jax.Array:
+        segment_ids: jax.Array | None = None, return_stats: bool = False,
+    ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """One denoising forward of a canvas (known tokens + mask tokens) of Bk positions placed at
         slots [index, index + Bk) against the clean caches, which are read and not changed (the
         commit pass, `extend`, writes the finished block). The block size is the canvas length.
         Returns fp32 logits [B, Bk, V] predicting every canvas position (after the logit shift);
-        they equal the training forward's noisy logits of that block (the central invariant)."""
+        they equal the training forward's noisy logits of that block (the central invariant).
+        With `return_stats`, also {"history_share": [num GDN layers] mean softmax probability of the
+        history unit per GDN layer (model order) over the canvas' non-pad tokens and heads}."""
         self._require_block_mode("block_step")
         cfg = self.cfg
         b, bk = canvas_ids_BK.shape
@@ -287,14 +289,19 @@ class CloverModel(nnx.Module):
             "gdn": {"segment_ids": seg, "ring_segment_ids": ring_seg, "continues": continues},
             "valid": seg != PAD_SEGMENT,
         }
-        x, _, _ = run_stack(self.groups, self.embed(canvas_ids_BK, dtype_of(cfg.dtype)), ctx, cache["layers"],
-                            scan=cfg.scan_layers)
+        x, _, aux = run_stack(self.groups, self.embed(canvas_ids_BK, dtype_of(cfg.dtype)), ctx, cache["layers"],
+                              scan=cfg.scan_layers)
         h = self.final_norm(x)
         if cfg.logits_shift:
             first = jnp.where(continues[:, :1, None], cache["last_hidden"][:, None].astype(h.dtype), 0.0)
             rest = jnp.where((seg[:, 1:] == seg[:, :-1])[..., None], h[:, :-1], 0.0)
             h = jnp.concatenate([first, rest], axis=1).astype(h.dtype)
-        return self.logits(h)
+        logits = self.logits(h)
+        if not return_stats:
+            return logits
+        share = aux["history_share"].reshape(cfg.num_hidden_layers)  # [G, p] -> model order
+        gdn_layers = [i for i, t in enumerate(cfg.layer_types) if t != "full_attention"]
+        return logits, {"history_share": share[jnp.asarray(gdn_layers)]}
 
 
 class _Embedding(nnx.Module):

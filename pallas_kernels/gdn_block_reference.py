@@ -44,12 +44,15 @@ def block_readout_ref(
     has_history_BNC: jax.Array,
     scalars_H3: jax.Array,
     block_size: int,
-) -> jax.Array:
+    *,
+    return_history_prob: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """In-block bidirectional softmax with the history unit, for N blocks of C positions each.
 
     `same_doc_BNCC[i, j]`: key j is in query i's document; `has_history_BNC[i]`: query i continues
     the document that `history_BNHKV` belongs to. `block_size` sets the calibration term log(Bk)
-    (the nominal block size, also for a partial block). Returns o [B, N, C, H, dv] fp32.
+    (the nominal block size, also for a partial block). Returns o [B, N, C, H, dv] fp32, and with
+    `return_history_prob` also the history unit's softmax probability [B, N, C, H] (research stats).
     Every query sees at least itself, so no softmax row is empty.
     """
     f32 = jnp.float32
@@ -65,7 +68,9 @@ def block_readout_ref(
     scale = q.shape[-1] ** -0.5
     read_BNCHV = jnp.einsum("bnchk,bnhkv->bnchv", q * scale, history_BNHKV.astype(f32), precision=_HI)
     o_BNCHV = jnp.einsum("bnhij,bnjhv->bnihv", p_in_BNHCC, v, precision=_HI)
-    return o_BNCHV + jnp.moveaxis(p_hist_BNHC, 2, 3)[..., None] * read_BNCHV
+    p_hist_BNCH = jnp.moveaxis(p_hist_BNHC, 2, 3)
+    o_BNCHV = o_BNCHV + p_hist_BNCH[..., None] * read_BNCHV
+    return (o_BNCHV, p_hist_BNCH) if return_history_prob else o_BNCHV
 
 
 def block_masks(segment_ids_BT: jax.Array | None, B: int, T: int, block_size: int,

@@ -241,3 +241,52 @@ def test_check_block_aligned_and_errors():
 def test_default_positions_restart_per_document():
     seg = jnp.asarray([[1, 1, 1, 0, 2, 2]])
     np.testing.assert_array_equal(np.asarray(document_positions(seg)), [[0, 1, 2, 0, 0, 1]])
+
+
+def test_block_step_history_share_follows_the_calibration_logit():
+    """The reported history-unit share is a probability per GDN layer: 0 on a fresh document (no
+    history), near 1 when beta makes the history logit dominate, near 0 when it is very negative."""
+    cfg = get_preset("tiny").replace(mode="block", mask_token_id=MASK)
+    model = create_model(cfg, 2)
+    graphdef, params = nnx.split(model, nnx.Param)
+    ids = jnp.asarray(np.random.default_rng(5).integers(2, MASK, (1, 8)), jnp.int32)
+
+    @jax.jit
+    def shares(p):
+        m = nnx.merge(graphdef, p)
+        _, cache = m.extend(ids[:, :4], m.init_cache(1, 8))
+        fresh = m.block_step(ids[:, :4], m.init_cache(1, 8), return_stats=True)[1]["history_share"]
+        return fresh, m.block_step(ids[:, 4:].at[:, 1:].set(MASK), cache, return_stats=True)[1]["history_share"]
+
+    def with_beta(beta):
+        flat = nnx.to_flat_state(params)
+        for path, var in flat:
+            if path[-1] == "bd_gdn_softmax_scalars":
+                var.set_value(var[...].at[..., 1].set(beta))
+        return nnx.from_flat_state(flat)
+
+    n_gdn = sum(t != "full_attention" for t in cfg.layer_types)
+    fresh, mid = (np.asarray(a) for a in shares(with_beta(0.0)))
+    assert fresh.shape == (n_gdn,) and np.all(fresh == 0.0)
+    assert np.all((mid > 0) & (mid < 1))
+    assert np.all(np.asarray(shares(with_beta(30.0))[1]) > 0.999)
+    assert np.all(np.asarray(shares(with_beta(-30.0))[1]) < 1e-6)
+
+
+def test_qwen_checkpoint_in_block_mode_reproduces_hf_on_the_clean_stream(tmp_path):
+    """A randomised HF Qwen3.6 checkpoint loaded in block mode (Clover params at their init values)
+    gives the HF logits on the clean stream of the two-stream forward."""
+    from hf_fixtures import hf_logits, make_hf_model, write_save_pretrained
+    from parity_utils import assert_rel_close
+
+    import clover_jax
+
+    hf = make_hf_model(seed=3)
+    cfg, model = clover_jax.load_hf(write_save_pretrained(hf, tmp_path / "hf"), mode="block")
+    assert cfg.mode == "block"
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
+    noisy = np.where(rng.random(ids.shape) < 0.5, 3, ids).astype(np.int32)
+    h_clean, _, _ = jax.jit(lambda i, n: model.two_stream_hidden(i, n, block_size=4))(ids, noisy)
+    # the fp32 HF parity criterion of tests/test_parity_hf.py (REL)
+    assert_rel_close(np.asarray(model.logits(h_clean)), hf_logits(hf, ids), 2e-5, "block-mode clean stream vs HF")
