@@ -72,6 +72,43 @@ def _masked_exp(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
+@jax.custom_vjp
+def unit_lower_inverse(A_XCC: jax.Array) -> jax.Array:
+    """``(I + A)^-1`` for the strictly-lower part of ``A`` [..., C, C] (entries on/above the
+    diagonal are ignored), by forward substitution over the C rows, fp32.
+
+    Why not ``jax.scipy.linalg.solve_triangular``: on CPU it lowers to LAPACK trsm custom calls that
+    fan out on XLA's intra-op pool and block a pool thread while waiting; two of them running at once
+    (the GDN backward has several) park every thread of a 2-core pool forever (jaxlib 0.10.2).
+    The VJP is closed form (``dT = -T dA T``), so no per-row residuals are stored.
+    """
+    return _unit_lower_inverse_fwd(A_XCC)[0]
+
+
+def _unit_lower_inverse_fwd(A_XCC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    C = A_XCC.shape[-1]
+    A = jnp.where(jnp.tril(jnp.ones((C, C), bool), k=-1), A_XCC.astype(jnp.float32), 0.0)
+    eye = jnp.broadcast_to(jnp.eye(C, dtype=jnp.float32), A.shape)
+
+    def row(i, T):  # T[i] = e_i - A[i, :i] @ T[:i]  (rows >= i of T are still identity rows)
+        a_i = lax.dynamic_index_in_dim(A, i, axis=-2, keepdims=True)
+        new = lax.dynamic_index_in_dim(eye, i, axis=-2, keepdims=True) - _einsum("...ij,...jk->...ik", a_i, T)
+        return lax.dynamic_update_index_in_dim(T, new, i, axis=-2)
+
+    T = lax.fori_loop(1, C, row, eye)
+    return T, T
+
+
+def _unit_lower_inverse_bwd(T: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    C = T.shape[-1]
+    Tt = jnp.swapaxes(T, -1, -2)
+    gA = -_einsum("...ij,...jk->...ik", _einsum("...ij,...jk->...ik", Tt, g), Tt)
+    return (jnp.where(jnp.tril(jnp.ones((C, C), bool), k=-1), gA, 0.0),)
+
+
+unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+
+
 def recurrent_gated_delta_rule_ref(
     q_BTHK: jax.Array,
     k_BTHK: jax.Array,
@@ -217,10 +254,9 @@ def chunk_gated_delta_rule_ref(
     v_beta_BHNCV = v_BHNCV * beta_BHNC[..., None]
     # Delta-rule coupling of the chunk: d_i + sum_{j<i} A_ij d_j = beta_i v_i - (decayed S0)^T beta_i k_i.
     A_BHNCC = _einsum("bhnik,bhnjk->bhnij", k_beta_BHNCK, k_BHNCK) * decay_ut_BHNCC
-    L_BHNCC = A_BHNCC + jnp.eye(C, dtype=f32)
     decay_in_BHNC = _masked_exp(cum_BHNC, from_prev_B1NC)
     rhs = jnp.concatenate([v_beta_BHNCV, k_beta_BHNCK * decay_in_BHNC[..., None]], axis=-1)
-    sol = jax.scipy.linalg.solve_triangular(L_BHNCC, rhs, lower=True, unit_diagonal=True)
+    sol = _einsum("bhnij,bhnjd->bhnid", unit_lower_inverse(A_BHNCC), rhs)  # (I + A)^-1 rhs
     u_BHNCV, w_BHNCK = sol[..., :V], sol[..., V:]   # d = u - w S0
 
     attn_BHNCC = _einsum("bhnik,bhnjk->bhnij", q_BHNCK, k_BHNCK) * decay_attn_BHNCC
