@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_thunk_runtime=false").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

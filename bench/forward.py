@@ -12,10 +12,6 @@ import os
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# jaxlib 0.10.2's CPU thunk runtime deadlocks on the chunked-GDN backward at T >= 512 (all threads
-# parked); the classic runtime runs it. Pass --thunk-runtime to see the hang.
-if "--thunk-runtime" not in os.sys.argv:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_thunk_runtime=false").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -118,9 +114,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--moe-impl", default=None, help="override cfg.moe_impl (ragged|dense)")
     ap.add_argument("--skip-torch", action="store_true")
-    ap.add_argument("--fwd-only", action="store_true",
-                    help="skip fwd+bwd (jaxlib 0.10.2 CPU can park forever on the full-model backward at batch 4 x 512)")
-    ap.add_argument("--thunk-runtime", action="store_true", help="keep XLA's CPU thunk runtime (hangs, see top)")
+    ap.add_argument("--fwd-only", action="store_true", help="skip fwd+bwd")
     args = ap.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")
     cfg = get_preset(args.preset)

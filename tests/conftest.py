@@ -4,9 +4,7 @@ chips), 8 simulated devices for sharding tests, fp32 matmuls at full precision."
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The CPU thunk runtime of jaxlib 0.10.2 deadlocks (all threads parked, forever) on the backward of
-# the chunked GDN at T >= 512; the classic runtime does not. Reproducer: bench/forward.py.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_use_thunk_runtime=false")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 
