@@ -9,6 +9,7 @@ from flax import nnx
 
 from clover_jax.config import get_preset
 from clover_jax.model import create_model, document_positions, model_from_params, model_to_params
+from parity_utils import assert_rel_close
 
 CFG = get_preset("tiny")
 
@@ -74,7 +75,9 @@ def test_cached_extend_with_new_document_resets(model):
 def test_scan_equals_python_loop(model):
     ids = _ids(5, 2, 20)
     loop = model_from_params(CFG.replace(scan_layers=False), model_to_params(model))
-    np.testing.assert_allclose(model(ids), loop(ids), atol=1e-5, rtol=0)
+    # fp32 round-off criterion of the parity tests: max |diff| <= 1e-5 * max |ref| (logits reach ~3
+    # with the randomised weights; the op-by-op loop and the compiled scan body round differently)
+    assert_rel_close(model(ids), loop(ids), 1e-5, "scan vs python loop")
 
 
 def test_model_moe_paths_agree(model):
