@@ -1,4 +1,4 @@
-"""Converters (sft.data.converters) on real records of /work/shared/data, read by path, and the
+"""Converters (sft.data.converters) on real records of ../shared/data, read by path, and the
 bad-input cases. Expected values are read off the raw lines / the folders' SOURCE.md counts."""
 
 import json
@@ -14,7 +14,8 @@ from sft.data.records import DataError, Loc, normalize_record
 from sft.data.sources import load_source
 from sft.data.synthetic import TOOLS, generate_record, generate_records, write_jsonl
 
-DATA = Path("/work/shared/data")
+# ../shared/data beside the checkout (as in CI)
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 BFCL = DATA / "bfcl"
 CFG = DataConfig()
 

@@ -3,8 +3,6 @@ eval split, bad-record threshold and config/open-time errors. Packed documents a
 records rendered directly by ChatRenderer (the oracle for what each segment must hold)."""
 
 import json
-import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -18,15 +16,6 @@ from sft.data.synthetic import generate_records
 SEQ, ALIGN, BATCH = 1024, 32, 4
 
 
-@pytest.fixture(scope="module")
-def tok():
-    # The tokenizer cache is fingerprinted and built atomically, so a fixed tmp dir shared by
-    # test runs is safe and saves the ~10 s build on every run.
-    root = os.environ.get("CLOVER_JAX_CACHE") or os.path.join(tempfile.gettempdir(),
-                                                              "clover_jax_sft_test_cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CLOVER_JAX_CACHE", root)
-        yield T.load_tokenizer()
 
 
 def synth(name, n, seed, weight=1.0):
