@@ -226,9 +226,9 @@ class GatedDeltaNet(nnx.Module):
         q_c, k_c, v_c = self.heads(conv_c)
         q_n, k_n, v_n = self.heads(conv_n)
         g, beta = self.gates(clean["b"], clean["a"])
-        o_c, o_n, _ = pallas_kernels.block_gated_delta_rule_ref(
+        o_c, o_n, _ = pallas_kernels.block_gated_delta_rule(
             q_c, k_c, v_c, g, beta, q_n, k_n, v_n, self.bd_gdn_softmax_scalars[...],
-            block_size=bk, segment_ids=seg, chunk_size=c.gdn_chunk_size)
+            block_size=bk, segment_ids=seg, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend)
         z = jnp.concatenate([clean["z"], noisy["z"]], axis=1)
         return self.output(jnp.concatenate([o_c, o_n], axis=1), z, x_BSD.dtype)
 

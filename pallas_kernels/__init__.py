@@ -3,12 +3,17 @@
 This package imports nothing from ``clover_jax``, ``train`` or ``sft`` (DESIGN.md 5, module map).
 """
 
-from .dispatch import BACKENDS, chunk_gated_delta_rule
+from .dispatch import BACKENDS, block_gated_delta_rule, chunk_gated_delta_rule
+from .gdn_block_pallas import block_gated_delta_rule_pallas
+from .gdn_pallas import chunk_gated_delta_rule_pallas
 from .gdn_reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 
 __all__ = [
     "BACKENDS",
+    "block_gated_delta_rule",
+    "block_gated_delta_rule_pallas",
     "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_pallas",
     "chunk_gated_delta_rule_ref",
     "recurrent_gated_delta_rule_ref",
 ]

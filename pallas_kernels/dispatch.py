@@ -1,16 +1,27 @@
-"""Single entry point for the chunked causal GDN: picks the Pallas kernel or the jnp reference.
+"""Entry points for the GDN ops: each picks the Pallas kernel or the jnp reference.
 
-Callers (the model's GDN layer) use only :func:`chunk_gated_delta_rule`; which implementation runs
-is a backend choice, never a numerics choice (both must agree to fp32 round-off).
+Callers (the model's GDN layer) use only :func:`chunk_gated_delta_rule` (causal, the clean stream /
+AR mode) and :func:`block_gated_delta_rule` (both streams of block mode); which implementation runs
+is a backend choice, never a numerics choice (they agree to fp32 round-off).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 
+from .gdn_block_pallas import block_gated_delta_rule_pallas
+from .gdn_block_reference import block_gated_delta_rule_ref
+from .gdn_pallas import chunk_gated_delta_rule_pallas
 from .gdn_reference import chunk_gated_delta_rule_ref
 
 BACKENDS = ("auto", "pallas", "reference")
+
+
+def _auto_backend() -> str:
+    """"pallas" when the default JAX backend has a Pallas compiler (TPU: Mosaic; GPU: Triton)."""
+    return "pallas" if jax.default_backend() in ("tpu", "gpu") else "reference"
 
 
 def chunk_gated_delta_rule(
@@ -25,6 +36,9 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
     backend: str = "auto",
     interpret: bool | None = None,
+    mesh=None,
+    batch_axes: Sequence[str] | None = None,
+    head_axes: Sequence[str] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked causal gated delta rule (argument convention of transformers' ``torch_chunk_gated_delta_rule``).
 
@@ -37,19 +51,70 @@ def chunk_gated_delta_rule(
         beta: [B, T, H] write strength in (0, 1).
         initial_state: optional [B, H, dk, dv] state carried in (belongs to token 0's segment).
         segment_ids: optional int [B, T]; the state resets wherever the id changes from the previous token.
-        chunk_size: chunk length of the WY/UT form (any value gives the same result).
-        backend: "auto" (best available; the reference until the kernel lands), "pallas" or "reference".
+        chunk_size: chunk length of the WY/UT form (any value gives the same result; the Pallas
+            kernel needs a multiple of 8 on TPU and a power of two >= 16 on GPU).
+        backend: "auto" = the Pallas kernel when the default JAX backend is TPU or GPU, else the
+            jnp reference (so on a CPU host, AOT-compiling for a TPU topology needs "pallas");
+            "pallas" = the kernel (Mosaic on TPU, Triton on GPU, chosen at lowering time; the
+            interpreter on CPU); "reference" = ``chunk_gated_delta_rule_ref``.
         interpret: Pallas interpret mode; None means interpret on CPU. Ignored by the reference.
+        mesh, batch_axes, head_axes: the Pallas kernel runs under ``shard_map`` over batch and heads
+            when a multi-device mesh is given or set with ``jax.set_mesh`` (see
+            :mod:`pallas_kernels.gdn_sharding`: default axes batch -> data, fsdp, expert and
+            heads -> tensor). Ignored by the reference (plain jnp, partitioned by XLA).
 
     Returns:
         (o [B, T, H, dv] in v's dtype, final_state [B, H, dk, dv] fp32).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown GDN backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        backend = _auto_backend()
     if backend == "pallas":
-        raise NotImplementedError(
-            "backend='pallas': the Pallas GDN kernel lands with the kernel issue; "
-            "use backend='reference' (or 'auto') for now")
-    del interpret  # only meaningful for the Pallas kernel
+        return chunk_gated_delta_rule_pallas(
+            q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
+            chunk_size=chunk_size, interpret=interpret, mesh=mesh, batch_axes=batch_axes,
+            head_axes=head_axes)
     return chunk_gated_delta_rule_ref(
         q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids, chunk_size=chunk_size)
+
+
+def block_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    q_noisy: jax.Array,
+    k_noisy: jax.Array,
+    v_noisy: jax.Array,
+    scalars_H3: jax.Array,
+    *,
+    block_size: int,
+    initial_state: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    chunk_size: int = 64,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    mesh=None,
+    batch_axes: Sequence[str] | None = None,
+    head_axes: Sequence[str] | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Both streams of a block-mode GDN layer (DESIGN.md 3.2 B): see ``block_gated_delta_rule_ref``
+    for the math and ``chunk_gated_delta_rule`` for backend / interpret / mesh. The Pallas path fuses
+    the clean sweep and the block readouts (``block_size`` and ``chunk_size`` must divide one another).
+
+    Returns (o_clean [B, T, H, dv], o_noisy [B, T, H, dv], final clean state [B, H, dk, dv] fp32).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown GDN backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        backend = _auto_backend()
+    if backend == "pallas":
+        return block_gated_delta_rule_pallas(
+            q, k, v, g, beta, q_noisy, k_noisy, v_noisy, scalars_H3, block_size=block_size,
+            initial_state=initial_state, segment_ids=segment_ids, chunk_size=chunk_size, interpret=interpret,
+            mesh=mesh, batch_axes=batch_axes, head_axes=head_axes)
+    return block_gated_delta_rule_ref(
+        q, k, v, g, beta, q_noisy, k_noisy, v_noisy, scalars_H3, block_size=block_size,
+        initial_state=initial_state, segment_ids=segment_ids, chunk_size=chunk_size)

@@ -75,7 +75,7 @@ def _masked_exp(x: jax.Array, mask: jax.Array) -> jax.Array:
 @jax.custom_vjp
 def unit_lower_inverse(A_XCC: jax.Array) -> jax.Array:
     """``(I + A)^-1`` for the strictly-lower part of ``A`` [..., C, C] (entries on/above the
-    diagonal are ignored), by forward substitution over the C rows, fp32.
+    diagonal are ignored), by recursive block inversion (log2 C rounds of small matmuls), fp32.
 
     Why not ``jax.scipy.linalg.solve_triangular``: on CPU it lowers to LAPACK trsm custom calls that
     fan out on XLA's intra-op pool and block a pool thread while waiting; two of them running at once
@@ -86,16 +86,30 @@ def unit_lower_inverse(A_XCC: jax.Array) -> jax.Array:
 
 
 def _unit_lower_inverse_fwd(A_XCC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # Recursive 2x2 block inversion on the diagonal blocks: start from the 1x1 blocks (= 1) and
+    # merge neighbours, [[T1, 0], [A21, .]] -> off-diagonal block -T2 A21 T1, log2(C) rounds of
+    # batched small matmuls instead of C sequential row updates. Every intermediate is a block of
+    # the true inverse (no Neumann-series cancellation), so it is as stable as substitution.
     C = A_XCC.shape[-1]
+    Cp = 1 << max(C - 1, 0).bit_length()
+    batch = A_XCC.shape[:-2]
     A = jnp.where(jnp.tril(jnp.ones((C, C), bool), k=-1), A_XCC.astype(jnp.float32), 0.0)
-    eye = jnp.broadcast_to(jnp.eye(C, dtype=jnp.float32), A.shape)
-
-    def row(i, T):  # T[i] = e_i - A[i, :i] @ T[:i]  (rows >= i of T are still identity rows)
-        a_i = lax.dynamic_index_in_dim(A, i, axis=-2, keepdims=True)
-        new = lax.dynamic_index_in_dim(eye, i, axis=-2, keepdims=True) - _einsum("...ij,...jk->...ik", a_i, T)
-        return lax.dynamic_update_index_in_dim(T, new, i, axis=-2)
-
-    T = lax.fori_loop(1, C, row, eye)
+    if Cp != C:  # pad to a power of two with identity rows (zero coupling): exact
+        A = jnp.pad(A, [(0, 0)] * len(batch) + [(0, Cp - C), (0, Cp - C)])
+    D = jnp.ones(batch + (Cp, 1, 1), jnp.float32)       # inverses of the diagonal blocks, size b
+    b = 1
+    while b < Cp:
+        m = Cp // (2 * b)
+        # coupling block of pair p: rows of its second half, columns of its first half
+        X = A.reshape(batch + (m, 2, b, m, 2, b))[..., :, 1, :, :, 0, :]      # [.., m, b, m, b]
+        A21 = jnp.moveaxis(jnp.diagonal(X, axis1=-4, axis2=-2), -1, -3)        # [.., m, b, b]
+        D2 = D.reshape(batch + (m, 2, b, b))
+        T11, T22 = D2[..., 0, :, :], D2[..., 1, :, :]
+        T21 = -_einsum("...ij,...jk->...ik", _einsum("...ij,...jk->...ik", T22, A21), T11)
+        D = jnp.concatenate([jnp.concatenate([T11, jnp.zeros_like(T11)], axis=-1),
+                             jnp.concatenate([T21, T22], axis=-1)], axis=-2)   # [.., m, 2b, 2b]
+        b *= 2
+    T = D[..., 0, :C, :C]
     return T, T
 
 
@@ -218,66 +232,66 @@ def chunk_gated_delta_rule_ref(
     run_BT = jnp.pad(run_BT, ((0, 0), (0, pad)), mode="edge")
 
     def chunked(x: jax.Array) -> jax.Array:
-        """[B, T, H, ...] -> zero-padded fp32 [B, H, N, C, ...]."""
+        """[B, T, H, ...] -> zero-padded fp32 [N, B, H, C, ...]: chunk-major, the layout the scan
+        over chunks consumes (one transpose here instead of one per scanned operand)."""
         x = jnp.pad(x.astype(f32), ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
         x = x.reshape((B, N, C) + x.shape[2:])
-        return jnp.moveaxis(x, 3, 1)
+        return jnp.moveaxis(x, (1, 3), (0, 2))
 
-    q_BHNCK = chunked(q_BTHK) * scale
-    k_BHNCK = chunked(k_BTHK)
-    v_BHNCV = chunked(v_BTHV)
-    g_BHNC = chunked(g_BTH)
-    beta_BHNC = chunked(beta_BTH)
+    q_NBHCK = chunked(q_BTHK) * scale
+    k_NBHCK = chunked(k_BTHK)
+    v_NBHCV = chunked(v_BTHV)
+    g_NBHC = chunked(g_BTH)
+    beta_NBHC = chunked(beta_BTH)
 
     # ---- masks (per batch row, shared by all heads) ----
-    run_BNC = run_BT.reshape(B, N, C)
-    prev_BN = jnp.concatenate([run_BNC[:, :1, 0], run_BNC[:, :-1, -1]], axis=1)
-    same_doc_BNCC = run_BNC[..., :, None] == run_BNC[..., None, :]
+    run_NBC = jnp.moveaxis(run_BT.reshape(B, N, C), 1, 0)
+    prev_NB = jnp.concatenate([run_NBC[:1, :, 0], run_NBC[:-1, :, -1]], axis=0)
+    same_doc_NBCC = run_NBC[..., :, None] == run_NBC[..., None, :]
     causal_CC = jnp.tril(jnp.ones((C, C), bool))          # token i sees its own update (diagonal)
     strict_CC = jnp.tril(jnp.ones((C, C), bool), k=-1)    # UT system: only earlier tokens
-    attn_mask_B1NCC = (same_doc_BNCC & causal_CC)[:, None]
-    ut_mask_B1NCC = (same_doc_BNCC & strict_CC)[:, None]
-    from_prev_B1NC = (run_BNC == prev_BN[..., None])[:, None]
-    to_last_B1NC = (run_BNC == run_BNC[..., -1:])[:, None]
-    keep_prev_B1N = (run_BNC[..., -1] == prev_BN)[:, None]
+    attn_mask_NB1CC = (same_doc_NBCC & causal_CC)[:, :, None]
+    from_prev_NB1C = (run_NBC == prev_NB[..., None])[:, :, None]
+    to_last_NB1C = (run_NBC == run_NBC[..., -1:])[:, :, None]
+    keep_prev_NB1 = (run_NBC[..., -1] == prev_NB)[:, :, None]
 
     # ---- intra-chunk quantities, all chunks at once ----
     if segment_ids is None:
-        cum_BHNC = jnp.cumsum(g_BHNC, axis=-1)
+        cum_NBHC = jnp.cumsum(g_NBHC, axis=-1)
     else:
-        cum_BHNC = _segmented_cumsum(g_BHNC, reset_BT.reshape(B, 1, N, C))
-    diff_BHNCC = cum_BHNC[..., :, None] - cum_BHNC[..., None, :]
-    decay_attn_BHNCC = _masked_exp(diff_BHNCC, attn_mask_B1NCC)
-    decay_ut_BHNCC = _masked_exp(diff_BHNCC, ut_mask_B1NCC)
+        reset_NB1C = jnp.moveaxis(reset_BT.reshape(B, N, C), 1, 0)[:, :, None]
+        cum_NBHC = _segmented_cumsum(g_NBHC, reset_NB1C)
+    diff_NBHCC = cum_NBHC[..., :, None] - cum_NBHC[..., None, :]
+    decay_attn_NBHCC = _masked_exp(diff_NBHCC, attn_mask_NB1CC)
+    decay_ut_NBHCC = jnp.where(strict_CC, decay_attn_NBHCC, 0.0)   # same exponentials, diagonal off
 
-    k_beta_BHNCK = k_BHNCK * beta_BHNC[..., None]
-    v_beta_BHNCV = v_BHNCV * beta_BHNC[..., None]
+    k_beta_NBHCK = k_NBHCK * beta_NBHC[..., None]
     # Delta-rule coupling of the chunk: d_i + sum_{j<i} A_ij d_j = beta_i v_i - (decayed S0)^T beta_i k_i.
-    A_BHNCC = _einsum("bhnik,bhnjk->bhnij", k_beta_BHNCK, k_BHNCK) * decay_ut_BHNCC
-    decay_in_BHNC = _masked_exp(cum_BHNC, from_prev_B1NC)
-    rhs = jnp.concatenate([v_beta_BHNCV, k_beta_BHNCK * decay_in_BHNC[..., None]], axis=-1)
-    sol = _einsum("bhnij,bhnjd->bhnid", unit_lower_inverse(A_BHNCC), rhs)  # (I + A)^-1 rhs
-    u_BHNCV, w_BHNCK = sol[..., :V], sol[..., V:]   # d = u - w S0
+    A_NBHCC = _einsum("nbhik,nbhjk->nbhij", k_beta_NBHCK, k_NBHCK) * decay_ut_NBHCC
+    decay_in_NBHC = _masked_exp(cum_NBHC, from_prev_NB1C)
+    T_NBHCC = unit_lower_inverse(A_NBHCC)                                        # (I + A)^-1
+    u_NBHCV = _einsum("nbhij,nbhjv->nbhiv", T_NBHCC, v_NBHCV * beta_NBHC[..., None])
+    w_NBHCK = _einsum("nbhij,nbhjk->nbhik", T_NBHCC, k_beta_NBHCK * decay_in_NBHC[..., None])  # d = u - w S0
 
-    attn_BHNCC = _einsum("bhnik,bhnjk->bhnij", q_BHNCK, k_BHNCK) * decay_attn_BHNCC
-    q_dec_BHNCK = q_BHNCK * decay_in_BHNC[..., None]
-    cum_last_BHN1 = cum_BHNC[..., -1:]
-    k_dec_BHNCK = k_BHNCK * _masked_exp(cum_last_BHN1 - cum_BHNC, to_last_B1NC)[..., None]
-    state_decay_BHN = _masked_exp(cum_last_BHN1[..., 0], keep_prev_B1N)
+    attn_NBHCC = _einsum("nbhik,nbhjk->nbhij", q_NBHCK, k_NBHCK) * decay_attn_NBHCC
+    q_dec_NBHCK = q_NBHCK * decay_in_NBHC[..., None]
+    cum_last_NBH1 = cum_NBHC[..., -1:]
+    # transposed ([K, C]) so that the scan's state update is a plain matmul
+    k_dec_NBHKC = jnp.swapaxes(k_NBHCK * _masked_exp(cum_last_NBH1 - cum_NBHC, to_last_NB1C)[..., None], -1, -2)
+    state_decay_NBH = _masked_exp(cum_last_NBH1[..., 0], keep_prev_NB1)
 
     # ---- sequential pass over chunks ----
     def step(S_BHKV, x):
-        u_BHCV, w_BHCK, q_dec_BHCK, attn_BHCC, k_dec_BHCK, state_decay_BH = x
+        u_BHCV, w_BHCK, q_dec_BHCK, attn_BHCC, k_dec_BHKC, state_decay_BH = x
         delta_BHCV = u_BHCV - _einsum("bhck,bhkv->bhcv", w_BHCK, S_BHKV)
         o_BHCV = (_einsum("bhck,bhkv->bhcv", q_dec_BHCK, S_BHKV)
                   + _einsum("bhij,bhjv->bhiv", attn_BHCC, delta_BHCV))
         S_in_BHKV = S_BHKV
         S_BHKV = (S_BHKV * state_decay_BH[..., None, None]
-                  + _einsum("bhck,bhcv->bhkv", k_dec_BHCK, delta_BHCV))
+                  + _einsum("bhkc,bhcv->bhkv", k_dec_BHKC, delta_BHCV))
         return S_BHKV, ((o_BHCV, S_in_BHKV) if return_chunk_states else o_BHCV)
 
-    chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B, H, N, ...] -> [N, B, H, ...]
-    xs = tuple(map(chunk_major, (u_BHNCV, w_BHNCK, q_dec_BHNCK, attn_BHNCC, k_dec_BHNCK, state_decay_BHN)))
+    xs = (u_NBHCV, w_NBHCK, q_dec_NBHCK, attn_NBHCC, k_dec_NBHKC, state_decay_NBH)
     state0_BHKV = (jnp.zeros((B, H, K, V), f32) if initial_state is None
                    else initial_state.astype(f32))
     final_BHKV, ys = lax.scan(step, state0_BHKV, xs)

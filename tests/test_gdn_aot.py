@@ -1,0 +1,130 @@
+"""The Pallas GDN kernels compile for real accelerators from this CPU host (no execution).
+
+TPU: ``jax.experimental.topologies.get_topology_desc`` loads libtpu on demand and returns TPU
+devices even with JAX_PLATFORMS=cpu (conftest); ``jit(...).lower(...).compile()`` on arrays sharded
+over those devices runs the real TPU compiler, Mosaic included. libtpu logs harmless warnings about
+TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES on a host without chips.
+GPU: ``lower(lowering_platforms=("cuda",))`` runs the Pallas -> Triton lowering (not ptxas). jax >= 0.11
+asks the local device for the target GPU's compute capability; without one it needs an abstract
+target device (``cuda_target``), which jax 0.10.2 accepts too.
+
+Shapes are the 35B GDN layer's: 32 value heads, dk = dv = 128, T = 8192, bf16 q/k/v, fp32 g/beta
+and state, packed segment ids. The TPU compiles are of the whole fwd + bwd under ``shard_map`` on a
+2x2 mesh (per chip: 1 row x 16 heads), the GPU lowerings of B = 1 with all 32 heads. The block-mode
+kernel runs with Clover's block size 32 (the sweep then uses chunks of 32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu takes /tmp/libtpu_lockfile on load; any other process holding it (a concurrent test, a run
+# that touched libtpu) makes get_topology_desc fail with "Internal error when accessing libtpu
+# multi-process lockfile". On a host without chips nothing is shared, so allow concurrent loads.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from pallas_kernels import block_gated_delta_rule, chunk_gated_delta_rule  # noqa: E402
+
+T, H, DK, DV = 8192, 32, 128, 128
+
+
+def specs(B: int, mesh=None, T: int = T, H: int = H, DK: int = DK, DV: int = DV):
+    def sd(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=None if mesh is None else NamedSharding(mesh, spec))
+    bf, f32 = jnp.bfloat16, jnp.float32
+    tok, gate = P("data", None, "tensor", None), P("data", None, "tensor")
+    return (sd((B, T, H, DK), bf, tok), sd((B, T, H, DK), bf, tok), sd((B, T, H, DV), bf, tok),
+            sd((B, T, H), f32, gate), sd((B, T, H), f32, gate), sd((B, H, DK, DV), f32, P("data", "tensor")),
+            sd((B, T), jnp.int32, P("data")))
+
+
+def loss_and_grads(mesh=None):
+    def loss(q, k, v, g, beta, s0, seg):
+        o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, segment_ids=seg, backend="pallas",
+                                      mesh=mesh)
+        return jnp.sum(jnp.square(o.astype(jnp.float32))) + jnp.sum(jnp.square(s))
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))
+
+
+def block_loss_and_grads(mesh=None, block_size: int = 32):
+    def loss(q, k, v, g, beta, s0, seg, qn, kn, vn, scalars):
+        o, on, s = block_gated_delta_rule(q, k, v, g, beta, qn, kn, vn, scalars, block_size=block_size,
+                                          initial_state=s0, segment_ids=seg, backend="pallas", mesh=mesh)
+        sq = lambda a: jnp.sum(jnp.square(a.astype(jnp.float32)))  # noqa: E731
+        return sq(o) + sq(on) + sq(s)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5, 7, 8, 9, 10)))
+
+
+def block_specs(B: int, mesh=None):
+    base = specs(B, mesh)
+    scal = jax.ShapeDtypeStruct((H, 3), jnp.float32, sharding=None if mesh is None else NamedSharding(mesh, P()))
+    return base + base[:3] + (scal,)
+
+
+def tpu_mesh():
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc("v5p:2x2x1", platform="tpu")
+    assert len(topo.devices) == 4 and topo.devices[0].platform == "tpu"
+    return Mesh(np.array(topo.devices).reshape(2, 2), ("data", "tensor"))
+
+
+def compile_and_report(lowered, what: str) -> None:
+    txt = lowered.as_text()
+    # Mosaic kernels: forward sweep, state recompute, reverse sweep (not the interpreter, not XLA)
+    assert txt.count("tpu_custom_call") == 3, txt.count("tpu_custom_call")
+    mem = lowered.compile().memory_analysis()
+    print(f"\nTPU v5p per-chip bytes, {what} fwd+bwd (B=1 x 16 heads x T={T}): args {mem.argument_size_in_bytes:,} "
+          f"out {mem.output_size_in_bytes:,} temp {mem.temp_size_in_bytes:,}")
+    assert mem.argument_size_in_bytes > 0
+
+
+def test_tpu_aot_compile_fwd_bwd_sharded():
+    mesh = tpu_mesh()
+    compile_and_report(loss_and_grads(mesh).trace(*specs(2, mesh)).lower(), "causal GDN")
+
+
+def test_tpu_aot_compile_block_fwd_bwd_sharded():
+    mesh = tpu_mesh()
+    compile_and_report(block_loss_and_grads(mesh).trace(*block_specs(2, mesh)).lower(), "block GDN")
+
+
+def cuda_target(device_kind: str = "NVIDIA H200"):
+    """Context naming the GPU the Triton lowering targets (an abstract device on a 1-device mesh)."""
+    AbstractDevice = getattr(jax.sharding, "AbstractDevice", None)
+    if AbstractDevice is None:
+        return contextlib.nullcontext()
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                     abstract_device=AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu"))
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def lower_cuda(fn, *args):
+    with cuda_target():
+        return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_cuda_lowering_fwd_bwd():
+    txt = lower_cuda(loss_and_grads(), *specs(1))
+    assert txt.count("xla.gpu.triton") == 3, txt.count("xla.gpu.triton")
+    assert "tpu_custom_call" not in txt
+
+
+def test_cuda_lowering_block_fwd_bwd():
+    txt = lower_cuda(block_loss_and_grads(), *block_specs(1))
+    assert txt.count("xla.gpu.triton") == 3, txt.count("xla.gpu.triton")
+
+
+def test_cuda_lowering_odd_shapes():
+    """dk, dv not powers of two and T not a multiple of the chunk: the wrapper pads for Triton."""
+    args = specs(1, T=130, H=4, DK=24, DV=40)
+    fwd = jax.jit(lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5], segment_ids=a[6], backend="pallas"))
+    assert lower_cuda(fwd, *args).count("xla.gpu.triton") == 1

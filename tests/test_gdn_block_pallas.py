@@ -1,0 +1,154 @@
+"""The fused block-mode GDN Pallas kernel (interpret mode on CPU) against the jnp reference.
+
+Oracle: ``block_gated_delta_rule_ref`` (clean stream = the causal reference; noisy stream = the
+per-block softmax over in-block logits and the history unit, written independently of the kernel)
+and JAX autodiff of it for the custom VJP, scalars included. Each configuration is one compile of
+a jitted ``value_and_grad`` that returns both streams, the final state and all ten gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pallas_kernels import block_gated_delta_rule, block_gated_delta_rule_pallas, block_gated_delta_rule_ref  # noqa: E402
+from pallas_kernels import gdn_block_math as bm  # noqa: E402
+from pallas_kernels import gdn_chunk_math as cm  # noqa: E402
+
+TOL = 1e-5
+GRAD_RTOL = 1e-4
+NAMES = ("q", "k", "v", "g", "beta", "s0", "qn", "kn", "vn", "scalars")
+B, T, HK, H, DK, DV = 2, 64, 1, 2, 16, 8
+
+
+def l2(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+@pytest.fixture(scope="module")
+def x() -> dict[str, np.ndarray]:
+    """Both streams; 1 key head repeated to 2 value heads; scalars off their init (alpha = sqrt(dk),
+    beta = 0, gamma = 1) so every term matters. Segments: a document ends mid-block, pad runs, a
+    document starts exactly on a block boundary (16 + 16 = 32), one crosses a block boundary."""
+    rng = np.random.default_rng(7)
+    f32 = np.float32
+    rep = lambda a: np.repeat(a, H // HK, axis=2)  # noqa: E731
+    n = lambda *s: rng.standard_normal(s).astype(f32)  # noqa: E731
+    d = dict(q=rep(l2(n(B, T, HK, DK))), k=rep(l2(n(B, T, HK, DK))), v=n(B, T, H, DV),
+             g=(-np.logaddexp(0.0, n(B, T, H))).astype(f32), beta=(1 / (1 + np.exp(-n(B, T, H)))).astype(f32),
+             s0=0.5 * n(B, H, DK, DV), qn=rep(l2(n(B, T, HK, DK))), kn=rep(l2(n(B, T, HK, DK))), vn=n(B, T, H, DV),
+             scalars=np.stack([np.sqrt(DK) * (1 + 0.2 * n(H)), n(H), 1 + 0.3 * n(H)], -1).astype(f32),
+             w_o=n(B, T, H, DV), w_on=n(B, T, H, DV), w_s=n(B, H, DK, DV))
+    d["seg"] = np.stack([np.repeat([4, 0, 5, 6], [11, 5, 16, 32]), np.repeat([0, 3, 3 + 5, 9], [3, 29, 20, 12])]).astype(np.int32)
+    return d
+
+
+@functools.cache
+def _value_and_grad(fn, block_size: int, chunk_size: int, with_init: bool):
+    def loss(q, k, v, g, beta, s0, qn, kn, vn, scalars, seg, w_o, w_on, w_s):
+        o, on, s = fn(q, k, v, g, beta, qn, kn, vn, scalars, block_size=block_size,
+                      initial_state=s0 if with_init else None, segment_ids=seg, chunk_size=chunk_size)
+        return jnp.sum(o * w_o) + jnp.sum(on * w_on) + jnp.sum(s * w_s), (o, on, s)
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(10)), has_aux=True))
+
+
+def run(fn, x, block_size, chunk_size, with_init):
+    (_, outs), grads = _value_and_grad(fn, block_size, chunk_size, with_init)(
+        *(x[n] for n in NAMES), x["seg"], x["w_o"], x["w_on"], x["w_s"])
+    return [np.asarray(a) for a in outs], [np.asarray(a) for a in grads]
+
+
+def maxdiff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def pallas_tpu_form(*a, **kw):
+    return block_gated_delta_rule_pallas(*a, interpret=True, interpret_form="tpu", **kw)
+
+
+def pallas_gpu_form(*a, **kw):  # also splits dv = 8 into 2 value blocks of 4
+    return block_gated_delta_rule_pallas(*a, interpret=True, interpret_form="gpu", block_v=4, **kw)
+
+
+# (form, block_size, chunk_size, initial state): a block of 2 kernel chunks; a block shorter than
+# the chunk (the kernel then sweeps with chunks of one block); with and without an initial state
+# (without one, block 0 has no history unit).
+CASES = [("tpu", 32, 16, True), ("gpu", 16, 64, False)]
+
+
+@pytest.mark.parametrize("form,block_size,chunk_size,with_init", CASES)
+def test_block_pallas_matches_reference(x, form, block_size, chunk_size, with_init):
+    fn = pallas_tpu_form if form == "tpu" else pallas_gpu_form
+    (o, on, s), grads = run(fn, x, block_size, chunk_size, with_init)
+    (o_r, on_r, s_r), grads_r = run(block_gated_delta_rule_ref, x, block_size, chunk_size, with_init)
+    assert o.shape == on.shape == x["v"].shape and s.shape == x["s0"].shape
+    assert maxdiff(o, o_r) <= TOL and maxdiff(on, on_r) <= TOL and maxdiff(s, s_r) <= TOL
+    for name, a, b in zip(NAMES, grads, grads_r):
+        if name == "s0" and not with_init:
+            continue  # unused input: both are zero
+        assert a.shape == b.shape and np.all(np.isfinite(a)), name
+        assert maxdiff(a, b) <= GRAD_RTOL * float(np.max(np.abs(b))), name
+
+
+def test_block_pallas_under_shard_map(x):
+    """Through the dispatch under jax.set_mesh: batch over "data", heads over "tensor"."""
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices()[:4])
+    fn = functools.partial(block_gated_delta_rule, backend="pallas")
+    with jax.set_mesh(mesh):
+        (o, on, s), grads = run(fn, x, 32, 16, True)
+    (o_r, on_r, s_r), grads_r = run(block_gated_delta_rule_ref, x, 32, 16, True)
+    assert maxdiff(o, o_r) <= TOL and maxdiff(on, on_r) <= TOL and maxdiff(s, s_r) <= TOL
+    for name, a, b in zip(NAMES, grads, grads_r):
+        assert maxdiff(a, b) <= GRAD_RTOL * float(np.max(np.abs(b))), name
+
+
+def test_block_readout_backward_equals_autodiff():
+    """The hand-derived per-block backward against jax.vjp of the per-block forward (no Pallas):
+    a document boundary inside the block, history on for the first document only."""
+    rng = np.random.default_rng(1)
+    Bk, K, W = 16, 8, 4
+    mm = cm.MatmulPolicy(None)
+    f32 = np.float32
+    qn, kn = l2(rng.standard_normal((Bk, K))).astype(f32), l2(rng.standard_normal((Bk, K))).astype(f32)
+    vn, S = rng.standard_normal((Bk, W)).astype(f32), rng.standard_normal((K, W)).astype(f32)
+    run_ = np.repeat([2.0, 3.0], [6, 10]).astype(f32)
+    auxn = np.zeros((cm.AUX_WIDTH, Bk), f32)
+    auxn[bm.RUN_N], auxn[bm.ALPHA] = run_, 2.5
+    auxn[bm.LHIST] = np.where(run_ == 2.0, 0.7, bm.HIST_OFF)
+    dO = rng.standard_normal((Bk, W)).astype(f32)
+
+    @jax.jit
+    def both(qn, kn, vn, auxn, S, dO):
+        fwd = lambda *a: bm.block_readout_forward(*a, scale=K ** -0.5, mm=mm)  # noqa: E731
+        _, vjp = jax.vjp(fwd, qn, kn, vn, auxn, S)
+        return vjp(dO), bm.block_readout_backward(qn, kn, vn, auxn, S, dO, scale=K ** -0.5, mm=mm)
+
+    want, got = both(qn, kn, vn, auxn, S, dO)
+    want, got = [np.array(a) for a in want], [np.array(a) for a in got]
+    want[3][bm.RUN_N] = 0.0                       # masks get no gradient
+    want[3][bm.LHIST] = np.where(run_ == 2.0, want[3][bm.LHIST], 0.0)  # the off sentinel is not a value
+    # alpha is one value per head (broadcast over the tokens): only the row total is defined
+    # (the kernel reports per-query shares, autodiff of the in-kernel max splits it evenly)
+    for d in (want[3], got[3]):
+        d[bm.ALPHA] = np.where(np.arange(Bk) == 0, d[bm.ALPHA].sum(), 0.0)
+    for name, a, b in zip(("dqn", "dkn", "dvn", "dauxn", "dS"), got, want):
+        assert maxdiff(a, b) <= 1e-5 * max(1.0, float(np.max(np.abs(b)))), name
+
+
+def test_block_errors_are_clear(x):
+    a = tuple(x[n] for n in ("q", "k", "v", "g", "beta", "qn", "kn", "vn", "scalars"))
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        block_gated_delta_rule_pallas(*a, block_size=24)
+    with pytest.raises(ValueError, match="one must divide the other"):
+        block_gated_delta_rule_pallas(*a, block_size=32, chunk_size=24)
+    with pytest.raises(ValueError, match=r"scalars must be \[H, 3\]"):
+        block_gated_delta_rule_pallas(*a[:8], a[8][:, :2], block_size=32)
+    with pytest.raises(ValueError, match="v_noisy must have"):
+        block_gated_delta_rule_pallas(*a[:7], a[7][..., :4], a[8], block_size=32)

@@ -1,0 +1,277 @@
+"""The Pallas chunked causal GDN (interpret mode on CPU) against independent oracles.
+
+Oracles: transformers' ``torch_chunk_gated_delta_rule`` (run per document: it knows no packing),
+the jnp chunked reference, and autodiff of the jnp reference for the custom VJP.
+Compiles dominate the runtime, so every op is compiled once, on one packed, initial-state case: a
+jitted ``value_and_grad`` (cached per op) returns the outputs and all six gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pallas_kernels import (  # noqa: E402
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_pallas,
+    chunk_gated_delta_rule_ref,
+)
+from pallas_kernels import gdn_chunk_math as cm  # noqa: E402
+from pallas_kernels import gdn_pallas  # noqa: E402
+from pallas_kernels.gdn_pallas_calls import KernelConfig, backward_call, forward_call  # noqa: E402
+
+TOL = 1e-5
+GRAD_RTOL = 1e-4
+NAMES = ("q", "k", "v", "g", "beta", "s0")
+
+
+def l2(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+def make_case(B: int, T: int, HK: int, H: int, DK: int, DV: int, seed: int) -> dict[str, np.ndarray]:
+    """GDN inputs with HK key heads repeated to H value heads (value head j uses key head j // (H // HK))."""
+    rng = np.random.default_rng(seed)
+    rep = lambda x: np.repeat(x, H // HK, axis=2)  # noqa: E731
+    f32 = np.float32
+    return dict(
+        q=rep(l2(rng.standard_normal((B, T, HK, DK)))).astype(f32),
+        k=rep(l2(rng.standard_normal((B, T, HK, DK)))).astype(f32),
+        v=rng.standard_normal((B, T, H, DV)).astype(f32),
+        g=(-np.logaddexp(0.0, rng.standard_normal((B, T, H)))).astype(f32),
+        beta=(1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H))))).astype(f32),
+        s0=(0.5 * rng.standard_normal((B, H, DK, DV))).astype(f32),
+        w_o=rng.standard_normal((B, T, H, DV)).astype(f32),
+        w_s=rng.standard_normal((B, H, DK, DV)).astype(f32),
+    )
+
+
+def packed_segments(T: int) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
+    """Two rows of (id, length) runs: documents shorter than a chunk, starting mid-chunk, pad runs
+    (id 0) between them, a reused id (7 ... 7 is two documents), row 1 starting with a pad run."""
+    rows = [[(7, 41), (0, 3), (3, 9), (0, 2), (7, T - 55)],
+            [(0, 4), (5, 70), (2, 20), (7, T - 94)]]
+    seg = np.stack([np.concatenate([np.full(n, i, np.int32) for i, n in r]) for r in rows])
+    return seg, rows
+
+
+def maxdiff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+@functools.cache
+def _value_and_grad(fn, C: int):
+    """One jitted value_and_grad per (op, chunk size): cases of equal shapes share the compile."""
+    def loss(q, k, v, g, beta, s0, seg, w_o, w_s):
+        o, s = fn(q, k, v, g, beta, initial_state=s0, segment_ids=seg, chunk_size=C)
+        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s), (o, s)
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))
+
+
+def loss_and_grads(fn, x, seg, C, cast=None):
+    """(o, final state, grads of sum(o * w_o) + sum(s * w_s) w.r.t. q, k, v, g, beta, s0)."""
+    args = [jnp.asarray(x[n], cast) if cast is not None and n in ("q", "k", "v") else x[n] for n in NAMES]
+    (_, (o, s)), grads = _value_and_grad(fn, C)(*args, seg, x["w_o"], x["w_s"])
+    return np.asarray(o), np.asarray(s), [np.asarray(a) for a in grads]
+
+
+def hf_per_document(x, rows, C):
+    """transformers' torch chunked GDN on every document separately (only the first run of a row
+    inherits the initial state): the packed-row oracle, independent of our segment logic."""
+    torch = pytest.importorskip("torch")
+    hf = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    hf_chunk = inspect.unwrap(hf.torch_chunk_gated_delta_rule)
+    torch.set_num_threads(1)  # tiny per-document calls: threads only contend on the shared CPU
+    B, T, H, DV = x["v"].shape
+    o = np.zeros((B, T, H, DV))
+    finals = []
+    for b, row in enumerate(rows):
+        start = 0
+        for r, (_, n) in enumerate(row):
+            sl = slice(start, start + n)
+            t = [torch.from_numpy(np.ascontiguousarray(x[name][b:b + 1, sl])) for name in NAMES[:5]]
+            s_in = torch.from_numpy(x["s0"][b:b + 1]) if r == 0 else None
+            with torch.no_grad():
+                o_d, s_d = hf_chunk(*t, chunk_size=C, initial_state=s_in, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=False)
+            o[b, sl] = o_d[0].numpy()
+            start += n
+        finals.append(s_d[0].numpy())
+    return o, np.stack(finals)
+
+
+# One case for both forms: T = 150 is not a multiple of C = 32; 2 key heads -> 4 value heads;
+# dk = 32 != dv = 16 (the GPU form also splits dv into 2 value blocks of 8).
+CASE = dict(B=2, T=150, HK=2, H=4, DK=32, DV=16, seed=1)
+C = 32
+
+
+@pytest.fixture(scope="module")
+def case():
+    x = make_case(**CASE)
+    seg, rows = packed_segments(CASE["T"])
+    ref = loss_and_grads(chunk_gated_delta_rule_ref, x, seg, C)
+    return x, seg, rows, ref
+
+
+def pallas_tpu_form(*a, **kw):
+    return chunk_gated_delta_rule_pallas(*a, interpret=True, interpret_form="tpu", **kw)
+
+
+def pallas_gpu_form(*a, **kw):  # also splits dv = 16 into 2 value blocks of 8
+    return chunk_gated_delta_rule_pallas(*a, interpret=True, interpret_form="gpu", block_v=8, **kw)
+
+
+def dispatch_pallas(*a, **kw):
+    return chunk_gated_delta_rule(*a, backend="pallas", **kw)
+
+
+@pytest.mark.parametrize("form", ["tpu", "gpu"])
+def test_pallas_matches_oracles(case, form):
+    x, seg, rows, (o_ref, s_ref, g_ref) = case
+    o, s, grads = loss_and_grads(pallas_tpu_form if form == "tpu" else pallas_gpu_form, x, seg, C)
+    assert o.shape == x["v"].shape and o.dtype == np.float32 and s.shape == x["s0"].shape
+    # forward: transformers per document, and the jnp chunked reference
+    o_hf, s_hf = hf_per_document(x, rows, C)
+    assert maxdiff(o, o_hf) <= TOL and maxdiff(s, s_hf) <= TOL
+    assert maxdiff(o, o_ref) <= TOL and maxdiff(s, s_ref) <= TOL
+    # backward (custom VJP) against autodiff of the reference, relative to each gradient's scale
+    for name, a, b in zip(NAMES, grads, g_ref):
+        assert a.shape == b.shape and np.all(np.isfinite(a)), name
+        assert maxdiff(a, b) <= GRAD_RTOL * float(np.max(np.abs(b))), name
+
+
+def test_bf16_inputs(case):
+    """bf16 q/k/v: fp32 state and accumulation, bf16 matmul operands. The oracle is the fp32
+    reference on the same bf16-rounded inputs, so the gap is the operand rounding only (~2^-8)."""
+    x, seg, _, _ = case
+    o, s, grads = loss_and_grads(pallas_tpu_form, x, seg, C, cast=jnp.bfloat16)
+    assert o.dtype == jnp.bfloat16 and s.dtype == np.float32
+    assert all(a.dtype == jnp.bfloat16 for a in grads[:3]) and grads[3].dtype == np.float32
+    x_r = dict(x, **{n: np.asarray(jnp.asarray(x[n], jnp.bfloat16).astype(jnp.float32)) for n in ("q", "k", "v")})
+    o_r, s_r, g_r = loss_and_grads(chunk_gated_delta_rule_ref, x_r, seg, C)  # shares the fixture's compile
+    assert maxdiff(o.astype(np.float32), o_r) <= 2e-2 * float(np.max(np.abs(o_r)))
+    assert maxdiff(s, s_r) <= 2e-2 * float(np.max(np.abs(s_r)))
+    for name, a, b in zip(NAMES, grads, g_r):
+        assert maxdiff(a.astype(np.float32), b) <= 3e-2 * float(np.max(np.abs(b))), name
+
+
+# ------------------------------------------------------------------ pieces of the kernel
+
+
+def test_chunk_backward_equals_autodiff_of_chunk_forward():
+    """The hand-derived per-chunk backward against jax.vjp of the per-chunk forward (no Pallas)."""
+    rng = np.random.default_rng(0)
+    Cc, K, W = 16, 8, 4
+    mm = cm.MatmulPolicy(None)
+    q, k = l2(rng.standard_normal((Cc, K))).astype(np.float32), l2(rng.standard_normal((Cc, K))).astype(np.float32)
+    v, S = rng.standard_normal((Cc, W)).astype(np.float32), rng.standard_normal((K, W)).astype(np.float32)
+    run = np.array([0] * 5 + [1] * 7 + [2] * 4, np.float32)
+    cum = np.cumsum(-0.3 * np.abs(rng.standard_normal(Cc))).astype(np.float32)
+    aux = np.zeros((cm.AUX_WIDTH, Cc), np.float32)
+    aux[cm.CUM], aux[cm.BETA], aux[cm.RUN], aux[cm.SDEC] = cum, rng.uniform(0.1, 0.9, Cc), run, 0.7
+    aux[cm.EIN] = np.exp(cum) * (run == 0)
+    aux[cm.EOUT] = np.exp(cum[-1] - cum) * (run == 2)
+
+    dO, dSn = rng.standard_normal((Cc, W)).astype(np.float32), rng.standard_normal((K, W)).astype(np.float32)
+
+    @jax.jit
+    def both(q, k, v, aux, S, dO, dSn):
+        fwd = lambda *a: cm.chunk_forward(*a, scale=K ** -0.5, mm=mm)  # noqa: E731
+        _, vjp = jax.vjp(fwd, q, k, v, aux, S)
+        return vjp((dO, dSn)), cm.chunk_backward(q, k, v, aux, S, dO, dSn, scale=K ** -0.5, mm=mm)
+
+    want, got = both(q, k, v, aux, S, dO, dSn)
+    want = [np.array(a) for a in want]
+    # the kernel reports d(sdec) once per chunk (token 0): sdec is one value broadcast over the chunk
+    want[3][cm.SDEC] = np.where(np.arange(Cc) == 0, want[3][cm.SDEC].sum(), 0.0)
+    want[3][cm.RUN] = 0.0
+    for name, a, b in zip(("dq", "dk", "dv", "daux", "dS"), got, want):
+        assert maxdiff(a, b) <= 1e-5 * max(1.0, float(np.max(np.abs(b)))), name
+
+
+@pytest.mark.parametrize("kind", ["random", "repeated_keys"])
+def test_unit_lower_inverse(kind):
+    """(I + A)^-1 by recursive blocks vs float64 numpy. 'repeated_keys' is the case where a Neumann
+    product (I - A)(I + A^2)... cancels catastrophically: A = all ones below the diagonal."""
+    n = 64
+    rng = np.random.default_rng(4)
+    A = np.tril(rng.uniform(-1, 1, (n, n)) if kind == "random" else np.ones((n, n)), -1).astype(np.float32)
+    T = np.asarray(jax.jit(lambda a: cm.invert_unit_lower(a, cm.MatmulPolicy(None)))(A), np.float64)
+    want = np.linalg.inv(np.eye(n) + A.astype(np.float64))
+    assert np.max(np.abs(T - want)) <= 1e-5 * max(1.0, np.max(np.abs(want)))
+
+
+def test_head_padding_is_exact():
+    """The native forms zero-pad dk / dv (TPU lanes: multiples of 128; Triton: powers of two >= 16).
+    Run the padding wrapper around the interpreted kernels and compare with the unpadded call."""
+    x = make_case(B=1, T=32, HK=2, H=2, DK=12, DV=6, seed=9)
+    cfg = KernelConfig(chunk_size=16, scale=12 ** -0.5)
+    q, k, v, aux, s0 = gdn_pallas._prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], x["s0"], None, 16)
+    dO = jnp.asarray(x["w_o"]).reshape(1, 32, -1)
+
+    def both(q, k, v, aux, s0, dO, pad):
+        def fwd(*a):
+            return tuple(forward_call(*a, cfg=cfg, form="tpu", interpret=True, with_o=True, with_states=True))
+
+        def bwd(*a):  # as gdn_pallas._backward: value-block partial sums reduced before un-padding
+            dq, dk, dv, daux, ds0 = backward_call(*a, cfg=cfg, form="tpu", interpret=True)
+            return dq.sum(0), dk.sum(0), dv, daux.sum(0), ds0
+        if pad:
+            fwd = gdn_pallas.pad_heads(fwd, ("k", "k", "v", None, "s"), ("s", "v", "st"), 2, 12, 6, 16, 16)
+            bwd = gdn_pallas.pad_heads(bwd, ("k", "k", "v", None, "st", "v", "s"), ("k", "k", "v", None, "s"),
+                                       2, 12, 6, 16, 16)
+        final, o, states = fwd(q, k, v, aux, s0)
+        return (final, o, states) + tuple(bwd(q, k, v, aux, states, dO, final))
+
+    run = jax.jit(both, static_argnums=6)
+    for name, a, b in zip(("final", "o", "states", "dq", "dk", "dv", "daux", "ds0"),
+                          run(q, k, v, aux, s0, dO, True), run(q, k, v, aux, s0, dO, False)):
+        assert a.shape == b.shape and maxdiff(a, b) <= TOL, name
+
+
+# ------------------------------------------------------------------ dispatch and sharding
+
+
+def test_dispatch_and_shard_map_on_8_devices(case):
+    """backend="pallas" under jax.set_mesh: the kernel runs under shard_map (batch over "data",
+    heads over "tensor": one row x one head per device) and equals the unsharded reference,
+    gradients included."""
+    assert len(jax.devices()) == 8
+    x, seg, _, (o_r, s_r, g_r) = case
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    with jax.set_mesh(mesh):
+        o, s, grads = loss_and_grads(dispatch_pallas, x, seg, C)
+        jaxpr = str(jax.make_jaxpr(lambda *a: dispatch_pallas(*a, chunk_size=C))(*(x[n] for n in NAMES[:5])))
+    assert "shard_map" in jaxpr and "pallas_call" in jaxpr
+    assert maxdiff(o, o_r) <= TOL and maxdiff(s, s_r) <= TOL
+    for name, a, b in zip(NAMES, grads, g_r):
+        assert maxdiff(a, b) <= GRAD_RTOL * float(np.max(np.abs(b))), name
+
+
+def test_auto_on_cpu_is_the_reference_and_errors_are_clear():
+    x = make_case(B=1, T=20, HK=1, H=1, DK=8, DV=8, seed=6)
+    args = tuple(x[n] for n in NAMES[:5])
+    jaxpr = lambda backend: str(jax.make_jaxpr(  # noqa: E731
+        lambda *a: chunk_gated_delta_rule(*a, chunk_size=16, backend=backend))(*args))
+    assert jaxpr("auto") == jaxpr("reference") and "pallas_call" not in jaxpr("auto")  # CPU: the reference
+    assert "pallas_call" in jaxpr("pallas")
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_gated_delta_rule_pallas(*args, chunk_size=0)
+    with pytest.raises(ValueError, match="interpret_form"):
+        chunk_gated_delta_rule_pallas(*args, interpret_form="metal")
+    with pytest.raises(ValueError, match="beta must be"):
+        chunk_gated_delta_rule_pallas(*args[:4], args[4][..., :0])
+    mesh = jax.make_mesh((8,), ("tensor",))
+    with pytest.raises(ValueError, match="head dim 1 is not divisible"):
+        chunk_gated_delta_rule_pallas(*args, mesh=mesh, head_axes=("tensor",))
+    with pytest.raises(ValueError, match="'model' is not a mesh axis"):
+        chunk_gated_delta_rule_pallas(*args, mesh=mesh, batch_axes=("model",))
