@@ -1,9 +1,16 @@
 """Clover-JAX command line: `python launch.py <command> ...` (DESIGN.md 6).
 
-    demo      --config F [k=v ...]          the embedded default job (tiny Qwen3.6-shaped round trip)
+    sft       --config F [k=v ...]          masked-diffusion SFT (configs/agent_mix.yaml; configs/sft_tiny.yaml
+                                            is the embedded default); resumes from checkpoint.dir
+    demo      --config F [k=v ...]          tiny Qwen3.6-shaped HF -> Orbax -> HF round trip
     convert   --hf DIR --out DIR [--mode ar|block]                HF safetensors -> Orbax params checkpoint
     export    --checkpoint DIR --out DIR [--format qwen|clover]   Orbax -> HF safetensors
-    sft | generate | calibrate | compile    land with their issues (they say so and exit 2)
+    compile   --config F --topology v5p-64 [k=v ...]   AOT-compile the train step for a TPU slice
+              on this machine; per-chip memory vs HBM (exit 1 when it does not fit)
+    generate  --checkpoint DIR (--prompt T | --prompts F.jsonl | --prompt-ids 1,2) [--out F.json] [decode.k=v]
+              block-diffusion (or AR / self-speculative) decoding with stats; streams finished blocks
+    calibrate --config F [k=v ...]          block size x threshold (x calibration x sub-block) sweeps:
+              CSV, JSON, PNG plots, Pareto front; masked-token loss per block size; learned scalars
 """
 
 from __future__ import annotations
@@ -15,13 +22,9 @@ import sys
 import time
 
 os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-PENDING = {
-    "sft": "the masked-diffusion SFT issue",
-    "generate": "the block-diffusion decoding issue",
-    "calibrate": "the block-diffusion decoding issue",
-    "compile": "the scale issue",
-}
+PENDING: dict[str, str] = {}
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -62,6 +65,176 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(cfg)
 
 
+#: top-level sections that make a YAML an SFT recipe (compiled with its real train step)
+SFT_SECTIONS = ("data", "data_root", "noise", "loss", "eval", "train", "optimizer", "checkpoint", "export", "logging")
+
+
+def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | None) -> list:
+    """AOT memory plans of an SFT recipe's real train step (two-stream forward, masked-diffusion
+    loss, backward, adamw, `train.micro_batches` accumulation) on each topology. Batch and length are
+    the recipe's (`data.batch_size`, `data.seq_len`), the remat policy its `model.remat` (or
+    `compile.remat=...`); `compile.topology` is the default slice. Weights are never read: the architecture is `model.init_from`'s config.json when that is
+    an HF dir here, else `model.preset` (else the Qwen3.6-35B-A3B defaults), plus the overrides."""
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from clover_jax import sharding as sh
+    from clover_jax.bridge import QWEN_TOKENIZER_SIZE
+    from clover_jax.config import ModelConfig, param_count
+    from clover_jax.model import abstract_model, model_to_params
+    from clover_jax.yaml_config import ConfigError, apply_overrides, from_tree
+    from sft.config import load_sft_config, model_config_from
+    from sft.recipe import SFTSetup
+    from train.aot import CompileConfig, active_params, compile_plan, topology_mesh
+    from train.optimizer import build_optimizer
+    from train.state import init_train_state
+
+    comp = [o for o in overrides if o.split("=", 1)[0].startswith("compile.")]
+    rest = [o for o in overrides if o not in comp]
+    ctree = apply_overrides({}, comp).get("compile", {})
+    for k in ("seq_len", "micro_batch", "loss_chunk"):
+        if k in ctree:
+            alt = {"seq_len": "data.seq_len", "micro_batch": "data.batch_size / train.micro_batches",
+                   "loss_chunk": "loss.chunk_tokens"}[k]
+            raise ConfigError(f"compile.{k}: an SFT recipe compiles its own batch; set {alt} instead")
+    ccfg = from_tree(CompileConfig, ctree, where="compile overrides")
+    cfg = load_sft_config(path, rest)
+    init = Path(cfg.model.init_from) if cfg.model.init_from else None
+    base = ModelConfig.from_hf_file(init) if init is not None and (init / "config.json").is_file() else None
+    if base is None and init is not None:
+        print(f"note: model.init_from {init} is not an HF dir here: using "
+              f"{cfg.model.preset or 'the Qwen3.6-35B-A3B defaults'} for the architecture", flush=True)
+    mcfg = model_config_from(cfg.model, base).replace(param_dtype=cfg.train.param_dtype)
+    if mcfg.gdn_backend == "auto":
+        mcfg = mcfg.replace(gdn_backend="pallas")  # the TPU kernels ("auto" means the jnp reference here)
+    if mcfg.mask_token_id is None:
+        mcfg = mcfg.replace(mask_token_id=min(QWEN_TOKENIZER_SIZE, mcfg.vocab_size - 1))
+    rows, mb, t = cfg.data.batch_size, cfg.train.micro_batches, cfg.data.seq_len
+    if rows % mb:
+        raise ConfigError(f"data.batch_size {rows} is not divisible by train.micro_batches {mb}")
+    bk, copies = mcfg.block_sizes[0], cfg.noise.copies
+    policy = ctree.get("remat") or mcfg.remat  # compile.remat=... overrides the recipe's model.remat
+    model = abstract_model(mcfg)
+    graphdef, _ = nnx.split(model)
+    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
+    plans = []
+    for topo_name in topologies or [ccfg.topology]:
+        print(f"compiling the SFT train step of {path} for {topo_name} ({rows} rows x {t} tokens, {mb} "
+              f"micro-batches, block {bk}, remat {policy}, GDN {mcfg.gdn_backend}) ...", flush=True)
+        topo, mesh = topology_mesh(topo_name, cfg.mesh)
+        p_sh = sh.param_shardings(model, mesh)
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              model_to_params(model), p_sh)
+        state = jax.eval_shape(lambda p: init_train_state(p, optimizer, seed=cfg.train.seed,
+                                                          master_dtype=cfg.train.param_dtype), params)
+        rep = NamedSharding(mesh, P())
+        state_sh = type(state)(params=p_sh, opt_state=sh.opt_state_shardings(state.opt_state, p_sh, mesh),
+                               step=rep, rng=rep)
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
+        b_sh = sh.batch_sharding(mesh, shape=(rows, t))
+        batch = {k: jax.ShapeDtypeStruct((rows, t), dt, sharding=b_sh)
+                 for k, dt in (("input_ids", jnp.int32), ("segment_ids", jnp.int32), ("positions", jnp.int32),
+                               ("loss_mask", jnp.bool_))}
+        setup = SFTSetup(cfg=cfg, model_cfg=mcfg, kind="abstract", init_path=None, tok_dir=None, data=None,
+                         mesh=mesh, graphdef=graphdef, optimizer=optimizer, param_shardings=p_sh,
+                         state_shardings=state_sh, abstract_state=state)
+        tokens = copies * rows * 2 * t  # both streams of every noisy copy
+        plans.append(compile_plan(
+            setup.make_step(bk), (state, batch), mesh=mesh, rules=sh.DEFAULT_RULES, remat_policy=policy,
+            state_args=state, model=Path(path).stem, params=param_count(mcfg), topology=topo,
+            micro_batch=rows // mb, micro_batches=mb, seq_len=t, model_flops=6.0 * active_params(mcfg) * tokens,
+            step_name=f"SFT step ({copies} noisy copies x clean+noisy streams, fwd+bwd+adamw)"))
+    return plans
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """AOT plans: an SFT recipe (a YAML with SFT sections) compiles its real train step; a plain
+    run config (model/mesh/compile sections, or only overrides) the generic stand-in step."""
+    import dataclasses
+
+    # compile-only TPU devices come from libtpu on this host: no local accelerator backend, and no
+    # libtpu lockfile (a second planner or test on the machine would otherwise abort)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from clover_jax.yaml_config import load_yaml_tree
+    from train.aot import PlanError, check, describe
+
+    topologies = args.topology.split(",") if args.topology else None
+    tree = load_yaml_tree(args.config) if args.config else {}
+    if any(k in tree for k in SFT_SECTIONS):
+        plans = _sft_compile_plans(args.config, list(args.overrides), topologies)
+    else:
+        from clover_jax.run_config import load_run_config
+        from train.aot import plan
+
+        cfg = load_run_config(args.config, args.overrides)
+        name = args.config or "defaults"
+        plans = []
+        for topo in topologies or [cfg.compile.topology]:
+            ccfg = dataclasses.replace(cfg.compile, topology=topo)
+            print(f"compiling the stand-in AR train step of {name} for {topo} (seq {ccfg.seq_len}, remat "
+                  f"{ccfg.remat}) ...", flush=True)
+            plans.append(plan(cfg.model, cfg.mesh, ccfg, model_name=name))
+    failed = False
+    for p in plans:
+        try:
+            print(check(p).table(), flush=True)
+        except PlanError as e:
+            print(str(e), file=sys.stderr, flush=True)
+            failed = True
+    if len(plans) > 1:
+        print(describe(plans))
+    return 1 if failed else 0
+
+
+#: exit code of an `sft` run stopped by SIGTERM after writing its checkpoint (128 + SIGTERM, as a
+#: shell reports a process killed by it, so schedulers see "preempted", not "done")
+EXIT_PREEMPTED = 143
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from sft.config import load_sft_config
+    from sft.data.records import DataError
+    from sft.recipe import run_sft
+    from train.checkpoint import CheckpointError as TrainCheckpointError
+
+    for name in ("sft", "train"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        cfg = load_sft_config(args.config, args.overrides)
+        res = run_sft(cfg)
+    except (DataError, TrainCheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return EXIT_PREEMPTED if res.preempted else 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from clover_jax.decoding import DecodeError
+    from clover_jax.decoding_io import run_generate
+
+    try:
+        return run_generate(args)
+    except DecodeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from clover_jax.calibrate import load_calibrate_config, run_calibrate
+    from clover_jax.decoding import DecodeError
+
+    try:
+        return run_calibrate(load_calibrate_config(args.config, args.overrides))
+    except DecodeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
 def cmd_pending(args: argparse.Namespace) -> int:
     print(f"`launch.py {args.command}` is not available yet: it lands with {PENDING[args.command]}.",
           file=sys.stderr)
@@ -73,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-v", "--verbose", action="store_true", help="log INFO from every library")
     sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("sft", help="masked-diffusion SFT (train; resumes from checkpoint.dir; exports at the end)")
+    p.add_argument("--config", required=True, help="YAML recipe (configs/agent_mix.yaml, configs/sft_tiny.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 data.batch_size=4")
+    p.set_defaults(fn=cmd_sft)
 
     p = sub.add_parser("demo", help="embedded default job: tiny Qwen3.6-shaped convert/export round trip")
     p.add_argument("--config", default=None, help="YAML run config (configs/demo.yaml)")
@@ -101,6 +279,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-gb", type=float, default=5.0)
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("compile", help="AOT-compile the train step for a TPU topology; per-chip memory vs HBM")
+    p.add_argument("--config", default=None, help="YAML run config (model:, mesh:, compile: sections)")
+    p.add_argument("--topology", default=None, help="v5p-64, v5p-128, v6e-256, v5litepod-16, v4-32, v5p:2x4x4, "
+                   "or several comma-separated (then also a side-by-side table); default: compile.topology")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. compile.seq_len=4096 mesh.expert=4")
+    p.set_defaults(fn=cmd_compile)
+
+    p = sub.add_parser("generate", help="decode prompts with a checkpoint (threshold | ar | self_speculative)")
+    p.add_argument("--checkpoint", required=True, help="HF dir (Clover / Qwen) or Orbax params checkpoint")
+    p.add_argument("--prompt", default=None, help="a user message, rendered with the chat template")
+    p.add_argument("--prompts", default=None, help="JSONL of chat records (messages, tools) or {\"prompt\": ...}")
+    p.add_argument("--prompt-ids", default=None, help="a prompt as comma-separated token ids")
+    p.add_argument("--raw", action="store_true", help="encode --prompt as plain text, no chat template")
+    p.add_argument("--out", default=None, help="write [{prompt, text, token_ids, stats}] as JSON")
+    p.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
+    p.add_argument("--no-stream", action="store_true", help="do not print blocks as they finish")
+    p.add_argument("overrides", nargs="*", help="decode.* overrides, e.g. decode.block_size=16 decode.threshold=0.9")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("calibrate", help="block-size / threshold sweeps on an eval set (CSV, JSON, PNG)")
+    p.add_argument("--config", required=True, help="YAML (configs/calibrate_tiny.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. checkpoint=DIR sweep.block_sizes=[4,8]")
+    p.set_defaults(fn=cmd_calibrate)
 
     for name in PENDING:
         p = sub.add_parser(name, help=f"(lands with {PENDING[name]})")

@@ -73,6 +73,7 @@ class ModelConfig:
     moe_impl: Literal["auto", "ragged", "blocked", "dense"] = "auto"
     moe_dispatch: Literal["ragged_a2a", "ring"] = "ragged_a2a"  # expert-parallel dispatch under a mesh
     scan_layers: bool = True
+    remat: str = "none"  # activation checkpointing of each layer group: a clover_jax.remat policy name
     # block diffusion (DESIGN.md 3; written to config.json of `clover_moe` checkpoints)
     mode: Literal["ar", "block"] = "ar"  # "block" adds the Clover parameters to every GDN layer
     block_size: int | tuple[int, ...] = 32  # a tuple: one size drawn per training step
@@ -112,6 +113,10 @@ class ModelConfig:
             sizes = self.block_size
         if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ModelConfigError(f"block_size must be a positive int or a non-empty list of them, got {self.block_size!r}")
+        from clover_jax.remat import POLICIES  # jax only; no model import
+
+        if self.remat not in POLICIES:
+            raise ModelConfigError(f"remat: unknown policy {self.remat!r} (known: {', '.join(POLICIES)})")
         if self.mode not in ("ar", "block"):
             raise ModelConfigError(f"mode must be 'ar' or 'block', got {self.mode!r}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from clover_jax import remat as remat_policies
 from clover_jax.attention import Attention, init_attention_cache
 from clover_jax.config import FULL, ModelConfig
 from clover_jax.gdn import GatedDeltaNet, init_gdn_cache
@@ -52,7 +53,7 @@ class DecoderLayer(nnx.Module):
             h, cache = mixer.block_step(self.input_norm(x_BTD), mixer_ctx, cache), None
             # the GDN block step also reports its history-unit share (NaN marks attention layers)
             h, share = h if isinstance(h, tuple) else (h, jnp.float32(jnp.nan))
-        h = x_BTD + h
+        h = x_BTD + remat_policies.tag(h, remat_policies.ATTN_OUT)
         m, aux = self.moe(self.post_norm(h), ctx)
         if stream == "block_step":
             aux = {**aux, "history_share": share}
@@ -66,6 +67,7 @@ class LayerGroup(nnx.Module):
         for j in range(cfg.group_size):
             setattr(self, f"layer_{j}", DecoderLayer(cfg, cfg.layer_types[j], rngs=rngs))
         self.size = cfg.group_size
+        self.remat = cfg.remat  # the config's checkpoint policy for this group (see run_stack)
 
     def __call__(self, x_BTD: jax.Array, ctx: dict[str, Any], cache: Cache | None):
         new_cache, auxes = {}, []
@@ -94,8 +96,11 @@ def stacked_group(cfg: ModelConfig, rngs: nnx.Rngs) -> LayerGroup:
 
 
 def run_stack(group: LayerGroup, x_BTD: jax.Array, ctx: dict[str, Any], cache: Cache | None, *, scan: bool,
-              remat: bool = False):
-    """Applies all groups in order. Returns (x, new stacked cache or None, aux stacked [G, p, ...])."""
+              remat: str | bool | None = None):
+    """Applies all groups in order. Returns (x, new stacked cache or None, aux stacked [G, p, ...]).
+
+    `remat`: a `clover_jax.remat` policy name for each layer group (None: the `remat.use_policy`
+    context's, else the model config's `remat`)."""
     graphdef, state = nnx.split(group)
 
     def body(x, xs):
@@ -104,8 +109,9 @@ def run_stack(group: LayerGroup, x_BTD: jax.Array, ctx: dict[str, Any], cache: C
         x, new_cache, aux = module(x, ctx, group_cache)
         return x, (new_cache, aux)
 
-    if remat:
-        body = jax.checkpoint(body)
+    # inside lax.scan the loop already keeps XLA from merging the recompute with the forward
+    policy = remat if remat is not None else (remat_policies.override() or getattr(group, "remat", "none"))
+    body = remat_policies.apply(body, policy, prevent_cse=not scan)
     if scan:
         x, (new_cache, aux) = jax.lax.scan(body, x_BTD, (state, cache))
         return x, new_cache, aux

@@ -2,7 +2,8 @@
 -> frozen dataclasses. `model.preset: NAME` starts the model section from a preset of
 `clover_jax.config.PRESETS`; the other `model.*` keys override its fields.
 
-Later issues add their sections (train, data, checkpoint, decode, mesh) here.
+Sections: `model`, `demo`, `mesh` (clover_jax.sharding.MeshConfig) and `compile` (`CompileConfig`, what
+`launch.py compile` plans for a plain run config; an SFT recipe has its own sections, see sft.config).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
 
+from clover_jax import remat
 from clover_jax.config import ModelConfig, ModelConfigError, get_preset
+from clover_jax.sharding import MeshConfig
 from clover_jax.yaml_config import ConfigError, apply_overrides, deep_merge, from_tree, load_yaml_tree, to_tree
 
 
@@ -31,9 +34,35 @@ class DemoConfig:
 
 
 @dataclass(frozen=True)
+class CompileConfig:
+    """The `compile:` section: what to plan. `micro_batch` is global rows per step (one micro-batch
+    of gradient accumulation); -1 = one row per batch shard of the mesh. For an SFT recipe only
+    `topology` and `remat` apply (batch, length and CE chunk are the recipe's data / loss fields)."""
+
+    topology: str = "v5p-64"
+    seq_len: int = 8192
+    micro_batch: int = -1
+    remat: str = "full"
+    loss_chunk: int = 2048  # tokens per lm_head + CE chunk
+    lb_coef: float | None = None  # MoE lb-loss weight; None = model.router_aux_loss_coef
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.loss_chunk < 1:
+            raise ConfigError(f"compile.seq_len and compile.loss_chunk must be positive, got {self.seq_len}, {self.loss_chunk}")
+        if self.micro_batch == 0 or self.micro_batch < -1:
+            raise ConfigError(f"compile.micro_batch must be positive or -1, got {self.micro_batch}")
+        try:
+            remat.resolve(self.remat)
+        except ValueError as e:
+            raise ConfigError(f"compile.remat: {e}") from None
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
 
 def load_run_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
