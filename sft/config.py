@@ -1,0 +1,216 @@
+"""`SFTConfig`: the YAML recipe of `python launch.py sft --config F [k=v ...]` (DESIGN.md 3.3, 6).
+
+Sections (each a frozen dataclass, built by `clover_jax.yaml_config.from_tree`, so unknown keys and
+bad types fail naming the key):
+
+    model:      init_from (HF dir or Orbax params checkpoint) | preset (random init), plus any
+                ModelConfig field as an override (mode, block_size, dtype, mask_token_id, ...)
+    data:       sft.data.DataConfig (sources, seq_len, batch_size, eval_fraction, ...)
+    data_root:  where relative source paths live (itself relative to the config file's directory)
+    noise:      sft.noise.NoiseConfig          loss:  sft.loss.LossConfig
+    eval:       EvalConfig (held-out masked-token loss at fixed noise levels)
+    train, optimizer, checkpoint, logging:     the train.config sections
+    export:     ExportConfig (HF export at the end)
+    mesh:       clover_jax.sharding.MeshConfig; devices: use only the first N devices (tests)
+    peak_flops_per_device, count_flops: the MFU denominator (None: a known chip's peak, else
+                measured) and whether to count the step's FLOPs (a lowering of the unrolled stack)
+    compile:    the AOT section of `launch.py compile` (train.aot), kept verbatim, unused by `sft`
+
+Paths other than source paths (init_from, logging.run_dir, checkpoint.dir, export.dir) are relative
+to the working directory. `checkpoint.dir` null means ``<logging.run_dir>/checkpoints``.
+
+The model section keeps its ModelConfig overrides apart (`ModelSpec.overrides`), because with
+`init_from` the architecture comes from the checkpoint and only the overrides are ours. SFT trains
+the block-diffusion model, so `mode` defaults to (and must be) ``block``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from clover_jax.config import ModelConfig, ModelConfigError, get_preset
+from clover_jax.sharding import MeshConfig
+from clover_jax.yaml_config import ConfigError, apply_overrides, deep_merge, from_tree, load_yaml_tree, to_tree
+from sft.data.config import DataConfig
+from sft.loss import LossConfig
+from sft.noise import NoiseConfig
+from train.config import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainConfig, TrainerConfig
+
+__all__ = ["EvalConfig", "ExportConfig", "ModelSpec", "SFTConfig", "load_sft_config", "model_config_from"]
+
+_SPEC_KEYS = ("init_from", "preset", "generate_missing", "seed")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where the weights come from.
+
+    init_from: an HF dir (Qwen3.6 or Clover; `load_hf(..., mode="block")`) or an Orbax params
+      checkpoint (`launch.py convert` output); None = random init of `preset`.
+    preset: the architecture of a random init (`clover_jax.config.PRESETS`).
+    generate_missing: when `init_from` does not exist, write a random `preset` checkpoint there first
+      (hub-style HF dir with the Qwen3.6 tokenizer, as the demo does): the embedded default.
+    seed: seed of random inits. overrides: ModelConfig fields set on top (see module docstring).
+    """
+
+    init_from: str | None = None
+    preset: str | None = None
+    generate_missing: bool = False
+    seed: int = 0
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out eval every `train.eval_every` steps: masked-token CE/accuracy with every block at
+    each fixed noise level of `t_values` (complementary copies per `noise.complementary`), over at
+    most `max_batches` batches of the eval split (kept in memory); at `block_size` (None: the
+    model's first block size). Logged as ``eval/ce_t<t>``, ``eval/acc_t<t>``; ``eval/loss`` is the
+    mean CE over the levels."""
+
+    t_values: tuple[float, ...] = (0.25, 0.5, 0.75)
+    max_batches: int = 4
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.t_values or any(not 0.0 < t <= 1.0 for t in self.t_values):
+            raise ConfigError(f"eval.t_values must be non-empty levels in (0, 1], got {self.t_values}")
+        if self.max_batches < 1:
+            raise ConfigError(f"eval.max_batches must be >= 1, got {self.max_batches}")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """HF export after the last step when `dir` is set (`format: clover` keeps the block-diffusion
+    tensors and writes the tokenizer with the mask token; `qwen` drops them)."""
+
+    dir: str | None = None
+    format: Literal["clover", "qwen"] = "clover"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    overwrite: bool = True
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataConfig = field(default_factory=DataConfig)
+    data_root: str | None = None
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    devices: int | None = None
+    peak_flops_per_device: float | None = None  # None: a known chip's bf16 peak, else measured (CPU)
+    count_flops: bool = True  # XLA's FLOP count of the step for MFU (lowers the unrolled stack once)
+    compile: dict[str, Any] = field(default_factory=dict)  # `launch.py compile`'s section; unused here
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.logging.run_dir) / "checkpoints")
+
+    def trainer_config(self) -> TrainerConfig:
+        return TrainerConfig(train=self.train, optimizer=self.optimizer,
+                             checkpoint=dataclasses.replace(self.checkpoint, dir=self.checkpoint_dir),
+                             logging=self.logging)
+
+
+def _split_model_section(model: Any, where: str) -> dict[str, Any]:
+    """YAML `model:` (spec keys + ModelConfig fields side by side) -> ModelSpec tree."""
+    if model is None:
+        return {}
+    if not isinstance(model, dict):
+        raise ConfigError(f"{where}: model: expected a mapping, got {model!r}")
+    if "overrides" in model:
+        raise ConfigError(f"{where}: model.overrides: write ModelConfig fields directly under model "
+                          "(e.g. model.block_size: 32)")
+    spec = {k: model[k] for k in _SPEC_KEYS if k in model}
+    over = {k: v for k, v in model.items() if k not in _SPEC_KEYS}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    for k in over:
+        if k not in fields:
+            import difflib
+
+            near = difflib.get_close_matches(k, sorted(fields | set(_SPEC_KEYS)), n=1, cutoff=0.6)
+            hint = f"did you mean 'model.{near[0]}'?" if near else "see clover_jax.config.ModelConfig"
+            raise ConfigError(f"{where}: unknown key 'model.{k}' ({hint})")
+    mode = over.get("mode", "block")
+    if mode != "block":
+        raise ConfigError(f"{where}: model.mode: SFT trains the block-diffusion model, so mode must be "
+                          f"'block', got {mode!r}")
+    spec["overrides"] = over
+    return spec
+
+
+def _resolve_sources(data: dict[str, Any], root: Path | None) -> dict[str, Any]:
+    """Relative source paths (and `hf.data_files`) joined to `root`."""
+    if root is None or not isinstance(data.get("sources"), list):
+        return data
+    join = lambda p: p if Path(p).is_absolute() else str(root / p)  # noqa: E731
+    sources = []
+    for s in data["sources"]:
+        if isinstance(s, dict):
+            s = dict(s)
+            if isinstance(s.get("path"), str):
+                s["path"] = join(s["path"])
+            hf = s.get("hf")
+            if isinstance(hf, dict) and isinstance(hf.get("data_files"), (str, list)):
+                files = hf["data_files"]
+                hf = {**hf, "data_files": join(files) if isinstance(files, str) else [join(f) for f in files]}
+                s["hf"] = hf
+        sources.append(s)
+    return {**data, "sources": sources}
+
+
+def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> SFTConfig:
+    """YAML (with `base_config` includes) + dotted overrides -> SFTConfig; errors name the file/key."""
+    tree = load_yaml_tree(path) if path is not None else {}
+    tree = apply_overrides(tree, list(overrides))
+    where = (str(path) if path is not None else "config") + (" + overrides" if overrides else "")
+    tree = dict(tree)
+    tree["model"] = _split_model_section(tree.get("model"), where)
+    root = tree.get("data_root")
+    if root is not None:
+        if not isinstance(root, str):
+            raise ConfigError(f"{where}: data_root: expected a path string, got {root!r}")
+        base = Path(path).resolve().parent if path is not None else Path.cwd()
+        root_path = Path(root) if Path(root).is_absolute() else (base / root).resolve()
+        tree["data_root"] = str(root_path)
+        if isinstance(tree.get("data"), dict):
+            tree["data"] = _resolve_sources(tree["data"], root_path)
+    try:
+        cfg = from_tree(SFTConfig, tree, where=where)
+    except ModelConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if cfg.devices is not None and cfg.devices < 1:
+        raise ConfigError(f"{where}: devices must be >= 1 or null, got {cfg.devices}")
+    if cfg.model.init_from is None and cfg.model.preset is None:
+        raise ConfigError(f"{where}: model: set model.init_from (HF dir or Orbax checkpoint) or model.preset "
+                          "(random init)")
+    if cfg.model.generate_missing and (cfg.model.preset is None or cfg.model.init_from is None):
+        raise ConfigError(f"{where}: model.generate_missing needs both model.init_from and model.preset")
+    model_config_from(cfg.model, None)  # type-check the overrides now, not after loading 70 GB
+    return cfg
+
+
+def model_config_from(spec: ModelSpec, base: ModelConfig | None) -> ModelConfig:
+    """The run's ModelConfig: `base` (a checkpoint's config) or the preset (or defaults), with the
+    overrides on top; fewer layers of a preset repeat its layer pattern. Errors are ConfigErrors."""
+    try:
+        if base is None:
+            base = get_preset(spec.preset) if spec.preset is not None else ModelConfig()
+        over = {"mode": "block", **spec.overrides}
+        tree = to_tree(base)
+        if "num_hidden_layers" in over and "layer_types" not in over:
+            n, p = int(over["num_hidden_layers"]), base.group_size
+            tree["layer_types"] = list(base.layer_types[:p]) * (n // p) if n % p == 0 else []
+        return from_tree(ModelConfig, deep_merge(tree, over), where="model")
+    except ModelConfigError as e:
+        raise ConfigError(f"model: {e}") from None

@@ -1,0 +1,558 @@
+"""The masked-diffusion SFT recipe: `python launch.py sft --config F [k=v ...]` (DESIGN.md 3.3, 6).
+
+Flow of `run_sft(cfg)`:
+
+1. model config: from `model.init_from` (HF config.json, or an Orbax params checkpoint's config) or
+   `model.preset`, plus the overrides, in block mode; the embedded default first writes a random
+   `preset` checkpoint at `init_from` when it is missing (`model.generate_missing`);
+2. the mask token: the checkpoint's `mask_token_id`, or `<|mask|>` added to its tokenizer (the first
+   free id, an unused embedding row of Qwen3.6: 248077), checked against the vocabulary;
+3. data (before any weight is read, so bad input fails fast): `sft.data.SFTData` with
+   `block_align` = lcm(data.block_align, model block sizes);
+4. mesh (`mesh`, over the first `devices` devices), shardings of params / optimizer state / batch;
+5. the train step per block size (multi-size training draws one per step on the host,
+   `sft.noise.draw_block_size`), AOT-compiled; FLOPs per step (for MFU) from XLA's cost analysis
+   of the lowering with the layers unrolled (`SFTSetup.step_flops`);
+6. `train.loop.run`: resume from `checkpoint.dir` when it holds a checkpoint (then the initial
+   weights are never read), eval every `train.eval_every` steps on the held-out split at fixed noise
+   levels, periodic / final / SIGTERM checkpoints, metrics.jsonl + console + wandb;
+7. at the end: the HF export (`export.dir`), a loss summary (first vs last 100 logged steps, train
+   and held-out) in ``<run_dir>/summary.json`` and a loss plot ``<run_dir>/loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from clover_jax import sharding as sh
+from clover_jax.config import ModelConfig
+from clover_jax.model import abstract_model, check_block_aligned, create_model, model_from_params, model_to_params
+from clover_jax.yaml_config import ConfigError, to_tree
+from sft.config import SFTConfig, model_config_from
+from sft.data import SFTData, block_align_for
+from sft.loss import make_sft_loss
+from sft.noise import draw_block_size
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SFTResult", "SFTSetup", "loss_summary", "prepare", "run_sft"]
+
+#: bf16 dense peak FLOP/s per chip by `device_kind` prefix (vendor numbers); else measured.
+KNOWN_PEAKS = {"TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12,
+               "TPU v6 lite": 918e12, "TPU v6e": 918e12, "NVIDIA H100": 989e12, "NVIDIA H200": 989e12,
+               "NVIDIA A100": 312e12}
+
+
+# ----------------------------------------------------------------------------------------------
+# model source
+def _is_hf_dir(p: Path) -> bool:
+    return (p / "config.json").is_file()
+
+
+def generate_init_checkpoint(cfg: SFTConfig) -> Path:
+    """The embedded default's init checkpoint: a random `model.preset` model (with the model
+    overrides: a smaller stack stays consistent with later loads) in AR mode, written as a hub-style
+    Qwen3.6 HF dir (bf16, fused experts, `model.language_model.` prefix) with the Qwen3.6 tokenizer,
+    as `launch.py demo` builds it. Written to a temp dir and renamed (never half there)."""
+    from clover_jax.api import save_hf
+    from clover_jax.tokenizer import load_tokenizer, save_tokenizer
+
+    out = Path(cfg.model.init_from)
+    mcfg = model_config_from(cfg.model, None).replace(mode="ar", dtype="float32", param_dtype="float32")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = create_model(mcfg, seed=cfg.model.seed)
+    save_hf(model, mcfg, tmp, format="qwen", dtype=jnp.bfloat16, expert_layout="fused",
+            prefix="model.language_model.", overwrite=True)
+    save_tokenizer(load_tokenizer(None), tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    log.info("wrote a random %s init checkpoint to %s", cfg.model.preset, out)
+    return out
+
+
+def _source(cfg: SFTConfig) -> tuple[str, Path | None, ModelConfig | None, Path | None]:
+    """(kind "hf" | "orbax" | "random", init path, the checkpoint's config, dir to take the
+    tokenizer from)."""
+    spec = cfg.model
+    if spec.init_from is None:
+        return "random", None, None, None
+    p = Path(spec.init_from)
+    if not p.exists() and spec.generate_missing:
+        generate_init_checkpoint(cfg)
+    if not p.exists():
+        raise ConfigError(f"model.init_from: {p} does not exist (an HF dir with config.json or an Orbax "
+                          "params checkpoint from `launch.py convert`)")
+    from clover_jax.params_checkpoint import is_params_checkpoint, read_params_info
+
+    if _is_hf_dir(p):
+        return "hf", p, ModelConfig.from_hf_file(p), p
+    if is_params_checkpoint(p):
+        ck_cfg, info = read_params_info(p)
+        src = info.get("source", {}).get("hf_dir")
+        return "orbax", p, ck_cfg, Path(src) if src and (Path(src) / "tokenizer.json").is_file() else None
+    raise ConfigError(f"model.init_from: {p} is neither an HF dir (no config.json) nor an Orbax params "
+                      "checkpoint (no clover_ckpt.json)")
+
+
+def _tokenizers(cfg: SFTConfig, tok_dir: Path | None) -> Any:
+    """The data tokenizer (read-only, shared): data.tokenizer, else the init dir's, else built-in."""
+    from clover_jax.tokenizer import load_tokenizer
+
+    return load_tokenizer(cfg.data.tokenizer or tok_dir)
+
+
+def resolve_mask_token(mcfg: ModelConfig, cfg: SFTConfig, tok_dir: Path | None) -> ModelConfig:
+    """`mask_token_id` set and consistent with the tokenizer (DESIGN.md 3.2). The id `<|mask|>` has
+    (or gets: the next free id, as `clover_jax.tokenizer.add_mask_token` assigns it, 248077 on
+    Qwen3.6) must equal a configured `mask_token_id` and lie inside the embedding. The tokenizer is
+    not changed here (the export adds the token to its own copy). Without a tokenizer to check (a
+    vocabulary the Qwen3.6 one does not fit), a configured id is taken as given."""
+    from clover_jax.bridge import MASK_TOKEN, QWEN_TOKENIZER_SIZE
+
+    has_tok = cfg.data.tokenizer is not None or tok_dir is not None or mcfg.vocab_size > QWEN_TOKENIZER_SIZE
+    if not has_tok:
+        if mcfg.mask_token_id is None:
+            raise ConfigError("model.mask_token_id: not set, and there is no tokenizer to add <|mask|> to "
+                              f"(vocabulary of {mcfg.vocab_size} rows)")
+        return mcfg
+    tok = _tokenizers(cfg, tok_dir)
+    existing = tok.convert_tokens_to_ids(MASK_TOKEN)
+    known = existing is not None and existing != tok.unk_token_id and tok.convert_ids_to_tokens(existing) == MASK_TOKEN
+    mask_id = int(existing) if known else len(tok)
+    if mcfg.mask_token_id is not None and mcfg.mask_token_id != mask_id:
+        how = "has" if known else "would get (the next free id)"
+        raise ConfigError(f"model.mask_token_id: {mcfg.mask_token_id}, but {MASK_TOKEN} {how} id {mask_id} in the "
+                          "tokenizer; leave mask_token_id unset or make them agree")
+    if not 0 <= mask_id < mcfg.vocab_size:
+        raise ConfigError(f"model.mask_token_id: {MASK_TOKEN} would get id {mask_id}, outside the embedding "
+                          f"[0, {mcfg.vocab_size})")
+    if mcfg.mask_token_id is None:
+        log.info("registered %s as token %d (an unused embedding row)", MASK_TOKEN, mask_id)
+    return mcfg.replace(mask_token_id=mask_id)
+
+
+def _fill_clover_params(mcfg: ModelConfig, flat: dict[str, Any]) -> dict[str, Any]:
+    """An AR Orbax checkpoint into block mode: the Clover params at their init values (scalars
+    (alpha, beta, gamma) per head, zero right-conv taps); anything else missing is an error."""
+    from clover_jax.params import flatten
+
+    target = flatten(model_to_params(abstract_model(mcfg)))
+    out = dict(flat)
+    filled = []
+    for k, ref in target.items():
+        if k in out:
+            continue
+        if k.endswith("bd_gdn_softmax_scalars"):
+            out[k] = np.broadcast_to(np.asarray(mcfg.bd_scalar_init, np.float32), ref.shape).copy()
+        elif k.endswith(".right"):
+            out[k] = np.zeros(ref.shape, np.float32)
+        else:
+            raise ConfigError(f"model.init_from: checkpoint has no param {k!r}")
+        filled.append(k)
+    if filled:
+        log.info("block mode on an AR checkpoint: %d Clover params start at their init values", len(filled))
+    return out
+
+
+def load_params(kind: str, path: Path | None, mcfg: ModelConfig, seed: int) -> dict[str, Any]:
+    """Initial params (stacked pure dict, host or default device) in `mcfg.param_dtype`."""
+    if kind == "random":
+        return model_to_params(create_model(mcfg, seed))
+    if kind == "hf":
+        from clover_jax.api import load_hf
+
+        runtime = {k: v for k, v in to_tree(mcfg).items() if k not in ("dtype", "param_dtype", "mode")}
+        _, model = load_hf(path, dtype=jnp.dtype(mcfg.param_dtype), mode="block", **_tuples(runtime))
+        return model_to_params(model)
+    from clover_jax.params import flatten, stack_layers, unflatten
+    from clover_jax.params_checkpoint import load_params_checkpoint
+
+    ck_cfg, tree = load_params_checkpoint(path)
+    flat = _fill_clover_params(mcfg, flatten(stack_layers(ck_cfg, tree)))
+    return model_to_params(model_from_params(mcfg, unflatten(flat)))
+
+
+def _tuples(tree: dict[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in tree.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# setup
+@dataclass
+class SFTSetup:
+    """Everything `run_sft` builds before the loop (tests build steps from it directly)."""
+
+    cfg: SFTConfig
+    model_cfg: ModelConfig
+    kind: str
+    init_path: Path | None
+    tok_dir: Path | None
+    data: SFTData
+    mesh: Any
+    graphdef: Any
+    optimizer: Any
+    param_shardings: Any
+    state_shardings: Any
+    abstract_state: Any
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return self.model_cfg.block_sizes
+
+    def put_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host batch -> global arrays, rows over the mesh's batch axes (multi-process: each process
+        passes its own rows)."""
+        out = {}
+        for k, v in batch.items():
+            v = np.asarray(v)
+            if v.ndim == 0:
+                out[k] = jax.device_put(v, NamedSharding(self.mesh, P()))
+                continue
+            global_shape = (v.shape[0] * jax.process_count(),) + v.shape[1:]
+            s = sh.batch_sharding(self.mesh, shape=global_shape)
+            out[k] = jax.make_array_from_process_local_data(s, v, global_shape)
+        return out
+
+    def loss_fn(self, block_size: int) -> Callable:
+        c = self.cfg
+        lb = c.loss.lb_coef if c.loss.lb_coef is not None else self.model_cfg.router_aux_loss_coef
+        return make_sft_loss(self.graphdef, block_size=block_size, mask_token_id=int(self.model_cfg.mask_token_id),
+                             noise=c.noise, loss=c.loss, lb_coef=lb)
+
+    @property
+    def compute_dtype(self) -> str | None:
+        return None if self.model_cfg.dtype == self.cfg.train.param_dtype else self.model_cfg.dtype
+
+    def make_step(self, block_size: int) -> Callable:
+        from train.step import make_train_step
+
+        replicated = NamedSharding(self.mesh, P())
+        return make_train_step(self.loss_fn(block_size), self.optimizer, micro_batches=self.cfg.train.micro_batches,
+                               compute_dtype=self.compute_dtype, out_shardings=(self.state_shardings, replicated))
+
+    def step_flops(self, block_size: int, abstract_batch: Any) -> float | None:
+        """XLA's FLOP count of one train step (`cost_analysis` of the lowering, no compile) with the
+        layer stack unrolled: XLA counts a loop body once, so a scanned stack would count one layer
+        group. The loops inside a layer (GDN chunk sweep, CE chunks) still count once: a lower bound.
+        The micro-batch accumulation is a scan too: its body (one micro-batch) is scaled by their count."""
+        graphdef = nnx.split(abstract_model(self.model_cfg.replace(scan_layers=False)))[0]
+        lowered = replace(self, graphdef=graphdef).make_step(block_size).lower(self.abstract_state, abstract_batch)
+        flops = _cost_flops(lowered)
+        return None if flops is None else flops * self.cfg.train.micro_batches
+
+    def init_state(self) -> Any:
+        """The fresh train state on the mesh (reads the initial weights)."""
+        from train.state import init_train_state
+
+        params = load_params(self.kind, self.init_path, self.model_cfg, self.cfg.model.seed)
+        params = jax.device_get(params)
+        return init_train_state(params, self.optimizer, seed=self.cfg.train.seed,
+                                master_dtype=self.cfg.train.param_dtype, out_shardings=self.state_shardings)
+
+
+def prepare(cfg: SFTConfig) -> SFTSetup:
+    """Steps 1-4 of the module docstring (no weights read, nothing trained)."""
+    from train.optimizer import build_optimizer
+    from train.state import init_train_state
+
+    kind, path, ck_cfg, tok_dir = _source(cfg)
+    mcfg = model_config_from(cfg.model, ck_cfg)
+    mcfg = mcfg.replace(param_dtype=cfg.train.param_dtype)
+    mcfg = resolve_mask_token(mcfg, cfg, tok_dir)
+    align = math.lcm(cfg.data.block_align, block_align_for(mcfg.block_size))
+    if cfg.data.seq_len % align:
+        raise ConfigError(f"data.seq_len {cfg.data.seq_len} must be a multiple of {align} (lcm of data.block_align "
+                          f"{cfg.data.block_align} and model.block_size {mcfg.block_size})")
+    data = SFTData(replace(cfg.data, block_align=align), _tokenizers(cfg, tok_dir))
+    devices = jax.devices()[: cfg.devices] if cfg.devices else jax.devices()
+    if cfg.devices and len(devices) < cfg.devices:
+        raise ConfigError(f"devices: {cfg.devices} requested, {len(devices)} available")
+    try:
+        mesh = sh.make_mesh(cfg.mesh, devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model = abstract_model(mcfg)
+    graphdef, _ = nnx.split(model)
+    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
+    p_sh = sh.param_shardings(model, mesh)
+    abstract_params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                   model_to_params(model), p_sh)
+    abstract_state = jax.eval_shape(lambda p: init_train_state(p, optimizer, seed=cfg.train.seed,
+                                                               master_dtype=cfg.train.param_dtype), abstract_params)
+    replicated = NamedSharding(mesh, P())
+    state_sh = type(abstract_state)(
+        params=p_sh, opt_state=sh.opt_state_shardings(abstract_state.opt_state, p_sh, mesh),
+        step=replicated, rng=replicated)
+    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                  abstract_state, state_sh)
+    return SFTSetup(cfg=cfg, model_cfg=mcfg, kind=kind, init_path=path, tok_dir=tok_dir, data=data, mesh=mesh,
+                    graphdef=graphdef, optimizer=optimizer, param_shardings=p_sh, state_shardings=state_sh,
+                    abstract_state=abstract_state)
+
+
+# ----------------------------------------------------------------------------------------------
+# steps, data, eval
+class _DeviceBatches:
+    """The packed-batch iterator, checked for block alignment and placed on the mesh."""
+
+    def __init__(self, setup: SFTSetup, it: Any):
+        self.setup, self.it = setup, it
+        self.align = setup.data.cfg.block_align
+
+    def __iter__(self) -> "_DeviceBatches":
+        return self
+
+    def __next__(self) -> dict[str, jax.Array]:
+        b = next(self.it)
+        check_block_aligned(b["segment_ids"], self.align)
+        return self.setup.put_batch(b)
+
+    def get_state(self) -> dict[str, Any]:
+        return self.it.get_state()
+
+
+class BlockSizeSteps:
+    """The step of multi-size training: block size of update s = `draw_block_size(sizes, seed, s)`,
+    each size AOT-compiled once (its own static shapes). The host keeps the update count (read from
+    the state once), so the draw never waits for the device."""
+
+    def __init__(self, setup: SFTSetup, abstract_batch: Any):
+        self.setup, self.abstract_batch = setup, abstract_batch
+        self.sizes = setup.block_sizes
+        self._compiled: dict[int, Any] = {}
+        self._next: int | None = None
+
+    def compiled(self, block_size: int) -> Any:
+        if block_size not in self._compiled:
+            t0 = time.perf_counter()
+            self._compiled[block_size] = self.setup.make_step(block_size).lower(
+                self.setup.abstract_state, self.abstract_batch).compile()
+            log.info("compiled the train step for block size %d in %.1f s", block_size, time.perf_counter() - t0)
+        return self._compiled[block_size]
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
+        if self._next is None:
+            self._next = int(jax.device_get(state.step))
+        bk = draw_block_size(self.sizes, self.setup.cfg.train.seed, self._next)
+        self._next += 1
+        new_state, metrics = self.compiled(bk)(state, batch)
+        if len(self.sizes) > 1:
+            metrics = {**metrics, "block_size": bk}
+        return new_state, metrics
+
+
+def _cost_flops(compiled: Any) -> float | None:
+    try:
+        ca = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - some backends do not implement it
+        return None
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    f = (ca or {}).get("flops")
+    return float(f) if f and f > 0 else None
+
+
+def peak_flops(cfg: SFTConfig, devices: list[Any]) -> float:
+    """Peak FLOP/s of all `devices` together: the config, a known chip's bf16 peak, or (CPU) a
+    measured fp32 matmul rate."""
+    if cfg.peak_flops_per_device:
+        return cfg.peak_flops_per_device * len(devices)
+    kind = getattr(devices[0], "device_kind", "")
+    for prefix, peak in KNOWN_PEAKS.items():
+        if kind.startswith(prefix):
+            return peak * len(devices)
+    n = 1024
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), devices[0])
+    mm = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(mm(a))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(mm(a))
+        best = min(best, time.perf_counter() - t0)
+    # host "devices" share the CPU: their peak together is one measurement, not one per device
+    return 2 * n**3 / best * (1 if devices[0].platform == "cpu" else len(devices))
+
+
+def make_eval_fn(setup: SFTSetup) -> Callable[[Any], dict[str, float]] | None:
+    """eval_fn(state) for the loop, or None without an eval split / eval_every."""
+    from train.step import evaluate, make_eval_step
+
+    cfg = setup.cfg
+    if not cfg.train.eval_every or setup.data.eval_docs is None:
+        return None
+    host = []
+    for b in setup.data.eval_iterator():
+        host.append(b)
+        if len(host) >= cfg.eval.max_batches:
+            break
+    bk = cfg.eval.block_size or setup.block_sizes[0]
+    if cfg.data.seq_len % bk:
+        raise ConfigError(f"eval.block_size {bk} does not divide data.seq_len {cfg.data.seq_len}")
+    step = make_eval_step(setup.loss_fn(bk), compute_dtype=setup.compute_dtype)
+    per_t = {t: [setup.put_batch({**b, "noise_t": np.float32(t)}) for b in host] for t in cfg.eval.t_values}
+
+    def eval_fn(state: Any) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for t, batches in per_t.items():
+            m = evaluate(step, state.params, batches, steps=len(batches), seed=cfg.train.seed)
+            out[f"ce_t{t:g}"], out[f"acc_t{t:g}"] = m["ce"], m["acc"]
+        out["loss"] = float(np.mean([out[f"ce_t{t:g}"] for t in per_t]))
+        return out
+
+    return eval_fn
+
+
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SFTResult:
+    step: int
+    preempted: bool
+    resumed_from: int | None
+    export_dir: Path | None
+    summary: dict[str, Any]
+
+
+def loss_summary(metrics_path: Path, window: int = 100) -> dict[str, Any]:
+    """First vs last `window` logged steps: mean train loss (and masked CE) and mean held-out loss
+    of the evals in those windows (each window at most half the run, so they never overlap)."""
+    recs = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    train = [r for r in recs if "loss" in r]
+    evals = [r for r in recs if "eval/loss" in r]
+    out: dict[str, Any] = {"steps_logged": len(train)}
+    if train:
+        w = max(1, min(window, len(train) // 2))
+        for k in ("loss", "ce"):
+            vals = [r[k] for r in train if k in r]
+            if vals:
+                out[f"train_{k}_first"] = float(np.mean(vals[:w]))
+                out[f"train_{k}_last"] = float(np.mean(vals[-w:]))
+        out["window_steps"] = w
+        first_end, last_start = train[w - 1]["step"], train[-w]["step"]
+        if evals:
+            first = [r["eval/loss"] for r in evals if r["step"] <= first_end] or [evals[0]["eval/loss"]]
+            last = [r["eval/loss"] for r in evals if r["step"] >= last_start] or [evals[-1]["eval/loss"]]
+            out["eval_loss_first"], out["eval_loss_last"] = float(np.mean(first)), float(np.mean(last))
+            out["eval_evals"] = len(evals)
+    return out
+
+
+def _plot(metrics_path: Path, out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    recs = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tr = [(r["step"], r["loss"]) for r in recs if "loss" in r]
+    ev = [(r["step"], r["eval/loss"]) for r in recs if "eval/loss" in r]
+    if tr:
+        ax.plot(*zip(*tr), label="train loss", lw=1)
+    if ev:
+        ax.plot(*zip(*ev), "o-", label="held-out masked CE (mean over t)", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def export(setup: SFTSetup, params: Any) -> Path:
+    """HF export of `params` (`export.format`, `export.dtype`) with the init dir's tokenizer files
+    (clover: plus the mask token)."""
+    from clover_jax.api import save_hf
+
+    ec = setup.cfg.export
+    host = jax.device_get(params)
+    model = model_from_params(setup.model_cfg.replace(param_dtype="float32", dtype="float32"), host)
+    src = setup.tok_dir
+    return save_hf(model, setup.model_cfg, ec.dir, format=ec.format, dtype=jnp.dtype(ec.dtype),
+                   source_dir=src, overwrite=ec.overwrite)
+
+
+def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: Callable | None = None,
+            print_fn: Callable[[str], None] = print) -> SFTResult:
+    """The recipe (module docstring). `on_step(step, state, metrics)` / `on_checkpoint(step, state)`
+    go to `train.loop.run`."""
+    from train.loop import run
+
+    t_start = time.perf_counter()
+    setup = prepare(cfg)
+    mcfg, run_dir = setup.model_cfg, Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stats = setup.data.load_stats()
+    print_fn(f"model: {setup.kind} {setup.init_path or cfg.model.preset}  hidden {mcfg.hidden_size}, "
+             f"{mcfg.num_hidden_layers} layers, {mcfg.num_experts} experts, vocab {mcfg.vocab_size}, block "
+             f"{mcfg.block_size}, mask token {mcfg.mask_token_id}; mesh {dict(setup.mesh.shape)}")
+    for name, s in stats.items():
+        print_fn(f"data {name}: {s['kept']} records ({s['train']} train / {s['eval']} eval), "
+                 f"{s['bad']} bad skipped, {s['filtered']} filtered")
+    rows = cfg.data.batch_size
+    print_fn(f"batch: {rows} packed rows x {cfg.data.seq_len} tokens per step (x{cfg.noise.copies} noisy copies "
+             f"in the model), {cfg.train.micro_batches} micro-batch(es); {cfg.train.steps} steps")
+    abstract_batch = {k: jax.ShapeDtypeStruct((rows, cfg.data.seq_len), dt,
+                                              sharding=sh.batch_sharding(setup.mesh, shape=(rows, cfg.data.seq_len)))
+                      for k, dt in (("input_ids", jnp.int32), ("segment_ids", jnp.int32), ("positions", jnp.int32),
+                                    ("loss_mask", jnp.bool_))}
+    # the peak first: its one-device matmul cannot run under the mesh context of use_sharding
+    peak = peak_flops(cfg, list(setup.mesh.devices.flat))
+    with sh.use_sharding(setup.mesh):
+        steps = BlockSizeSteps(setup, abstract_batch)
+        flops = setup.step_flops(setup.block_sizes[0], abstract_batch) if cfg.count_flops else None
+        steps.compiled(setup.block_sizes[0])
+        eval_fn = make_eval_fn(setup)
+        shard = (jax.process_index(), jax.process_count())
+
+        def batches(data_state: dict[str, Any] | None) -> _DeviceBatches:
+            it = setup.data.train_iterator(*shard)
+            if data_state:
+                it.set_state(data_state)
+            return _DeviceBatches(setup, it)
+
+        res = run(steps, setup.init_state, batches, config=cfg.trainer_config(), eval_fn=eval_fn,
+                  run_config=to_tree(cfg), flops_per_step=flops, peak_flops=peak, on_step=on_step,
+                  on_checkpoint=on_checkpoint, abstract_state=setup.abstract_state)
+    export_dir = None
+    if cfg.export.dir and not res.preempted and res.step >= cfg.train.steps:
+        t0 = time.perf_counter()
+        export_dir = export(setup, res.state.params)
+        print_fn(f"exported {cfg.export.format} HF checkpoint to {export_dir} in {time.perf_counter() - t0:.1f} s")
+    from train.logging import METRICS_FILE
+
+    mpath = run_dir / METRICS_FILE
+    summary = loss_summary(mpath) if mpath.exists() else {}
+    summary.update(wall_s=time.perf_counter() - t_start, steps=res.step, preempted=res.preempted,
+                   resumed_from=res.resumed_from, flops_per_step=flops, peak_flops=peak)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if mpath.exists():
+        _plot(mpath, run_dir / "loss.png")
+    if "train_loss_first" in summary:
+        w = summary["window_steps"]
+        line = (f"train loss, mean of the first {w} vs last {w} steps: {summary['train_loss_first']:.4f} -> "
+                f"{summary['train_loss_last']:.4f}")
+        if "eval_loss_first" in summary:
+            line += (f"; held-out masked CE (evals in those windows): {summary['eval_loss_first']:.4f} -> "
+                     f"{summary['eval_loss_last']:.4f}")
+        print_fn(line)
+    print_fn(f"run dir {run_dir} (metrics.jsonl, summary.json, loss.png); wall {summary['wall_s']:.0f} s")
+    return SFTResult(step=res.step, preempted=res.preempted, resumed_from=res.resumed_from, export_dir=export_dir,
+                     summary=summary)
