@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -26,16 +25,7 @@ from flax import nnx  # noqa: E402
 
 from clover_jax.config import get_preset  # noqa: E402
 from clover_jax.model import create_model, shift_predictions  # noqa: E402
-
-
-def best_time(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
+from common import best_time  # noqa: E402
 
 
 def masked_ce(logits, target, mask):

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,16 +38,7 @@ import numpy as np  # noqa: E402
 
 from clover_jax import sharding as sh  # noqa: E402
 from clover_jax.moe import experts_dense, experts_parallel, experts_sorted, route  # noqa: E402
-
-
-def timeit(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
+from common import best_time  # noqa: E402
 
 
 def problem(tokens: int, d: int, i: int, e: int, k: int, dtype=jnp.float32, seed: int = 0):
@@ -90,15 +80,15 @@ def part1(tokens: int, d: int, i: int, repeats: int) -> dict:
         # each jitted function is built once (a fresh jit per call would time the compile)
         fns = {"dense": fwd_bwd(experts_dense), "blocked": fwd_bwd(lambda *a: experts_sorted(*a, impl="blocked")),
                "ragged": fwd_bwd(lambda *a: experts_sorted(*a, impl="ragged"))}
-        t = {name: timeit(lambda f=f: f(*args), repeats) for name, f in fns.items() if name != "ragged"}
+        t = {name: best_time(lambda f=f: f(*args), repeats) for name, f in fns.items() if name != "ragged"}
         # XLA:CPU lowers ragged_dot to a dense [E, rows, D] masked product: 256 experts x 8 rows per
         # token would need ~20 GB here, so the column stops where that would not fit
-        t["ragged"] = (timeit(lambda: fns["ragged"](*args), repeats)
+        t["ragged"] = (best_time(lambda: fns["ragged"](*args), repeats)
                        if e * tokens * k * d * 4 < 2**31 else float("nan"))
         with jax.set_mesh(mesh):
             for disp in ("ragged_a2a", "ring"):
                 f = fwd_bwd(ep_fn(mesh, disp, 8, tokens // 8))
-                t[disp] = timeit(lambda f=f: f(*args), repeats)
+                t[disp] = best_time(lambda f=f: f(*args), repeats)
         ms = {k_: v * 1e3 for k_, v in t.items()}
         print(f"{e:>5}{k:>4}{ms['dense']:>10.1f}{ms['blocked']:>10.1f}{ms['ragged']:>10.1f}{ms['ragged_a2a']:>10.1f}"
               f"{ms['ring']:>10.1f}{t['dense'] / t['blocked']:>15.2f}{t['dense'] / t['ragged']:>14.2f}"
