@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from clover_jax import decoding_eval as ev
-from clover_jax.decoding import DecodeConfig, DecodeError, Decoder, resolve_eos_ids
+from clover_jax.decoding import DecodeConfig, DecodeError, Decoder, jsonl_lines, resolve_eos_ids
 
 
 @dataclass(frozen=True)
@@ -120,17 +120,11 @@ def eval_records(cfg: EvalSetConfig) -> list[dict[str, Any]]:
         return out
     if not cfg.path:
         raise DecodeError("eval.path: required with eval.source=jsonl")
-    p = Path(cfg.path)
-    if not p.is_file():
-        raise FileNotFoundError(f"eval.path {p} does not exist")
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
+    for p, n, rec in jsonl_lines(cfg.path, "eval.path"):
         try:
-            rec = json.loads(line)
             _, answer, _ = ev.split_record(rec)
-        except (json.JSONDecodeError, ValueError) as e:
+        except ValueError as e:
             raise DecodeError(f"{p}:{n}: {e}") from None
         if answer is None or (cfg.tool_calls_only and not ev.reference_calls(answer)):
             continue

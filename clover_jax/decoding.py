@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 import jax
@@ -48,6 +51,21 @@ DEFAULT_EOS = ("<|im_end|>", "<|endoftext|>")
 
 class DecodeError(ValueError):
     """Bad decoding input (prompt, option or checkpoint); the message names what is wrong."""
+
+
+def jsonl_lines(path: str | Path, what: str) -> Iterator[tuple[Path, int, Any]]:
+    """(path, 1-based line number, parsed value) for every non-blank line of a JSONL file; a missing
+    file or a line that is not JSON is an error naming `what`, the file and the line."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} {p} does not exist")
+    for n, line in enumerate(p.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield p, n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DecodeError(f"{p}:{n}: not valid JSON ({e})") from None
 
 
 @dataclass(frozen=True)

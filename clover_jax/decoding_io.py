@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from clover_jax.decoding import DecodeConfig, DecodeError, Decoder, Generation, resolve_eos_ids
+from clover_jax.decoding import DecodeConfig, DecodeError, Decoder, Generation, jsonl_lines, resolve_eos_ids
 from clover_jax.decoding_eval import split_record
 
 
@@ -69,17 +69,8 @@ def render_messages(tok, messages: list[dict], tools: list[dict] | None) -> list
 
 def read_prompts_file(path: str | Path, tok) -> list[tuple[str, list[int], dict[str, Any]]]:
     """(display prompt, ids, record) per line of a JSONL file; errors name the line."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"prompts file {p} does not exist")
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DecodeError(f"{p}:{n}: not valid JSON ({e})") from None
+    for p, n, rec in jsonl_lines(path, "prompts file"):
         if tok is None:
             raise DecodeError(f"{p}:{n}: the checkpoint has no tokenizer to render prompts; use --prompt-ids")
         if isinstance(rec, dict) and "messages" in rec:
