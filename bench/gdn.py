@@ -8,8 +8,18 @@ Rows: forward and forward+backward wall time (best of --repeats after a warm-up)
 - ``torch``: transformers' ``torch_chunk_gated_delta_rule`` (fp32, eager, autograd backward),
 - ``scan``: ``recurrent_gated_delta_rule_ref``, the literal per-token recurrence under ``lax.scan``,
 side by side with ratios, plus the FLOP count of the chunked algorithm and the fraction of this
-machine's matmul peak (a large fp32 matmul, timed before and after every row; the higher is used). The Pallas kernel is not
-timed here: on CPU it only runs in interpret mode, which measures nothing about TPU/GPU speed.
+machine's matmul peak (a large fp32 matmul, timed before and after every row; the higher is used).
+
+Two more columns say where the gap to that peak comes from:
+- ``dots``: the forward's batched matmuls alone (same shapes, same layouts, same scan over chunks;
+  no masks, exps, inverse or transposes). ``xla/dots`` near 1 means the elementwise work is not the
+  problem; ``dots/bound`` is what XLA:CPU's batched small matmuls cost against the 2048^2 peak.
+- ``bmm GF/s``: one batched matmul of the forward's most common shape ([N*H] x [C, dk] @ [dk, dv])
+  through XLA with row-major operands (``nn``), through XLA in the reference's transposed-left form
+  (``tn``), and through torch (MKL/oneDNN) on the same cores: XLA's small-matmul paths vs the machine.
+
+The Pallas kernel is not timed here: on CPU it only runs in interpret mode, which measures nothing
+about TPU/GPU speed.
 Results go to bench/results/gdn.json (+ gdn.png). The machine is shared: rerun to see the noise.
 """
 
@@ -68,6 +78,60 @@ def chunked_flops(T: int, H: int, dk: int, dv: int, C: int = 64, B: int = 1) -> 
     per_chunk = 4 * C * C * dk + C * C * (dk + dv) + 6 * C * dk * dv + 2 * C * C * dv
     fwd = float(B * H * N * per_chunk)
     return {"fwd": fwd, "fwd_bwd": 3 * fwd}
+
+
+def dots_only_forward(T: int, H: int, dk: int, dv: int, C: int = 64, repeats: int = 3) -> dict[str, float]:
+    """Wall/CPU time of the chunked forward's matmuls alone, as ``chunk_gated_delta_rule_ref`` issues
+    them (the same shapes and the same "TN" operand layout): batched over all chunks and heads,
+    [k_beta; q] k^T ([dk, C] x [dk, 2C]), T v_beta and (T k_beta)^T ([C, C] x [C, d]); then a
+    ``lax.scan`` over the chunks with [w; q] S ([dk, 2C] x [dk, dv]), attn delta ([C, C] x [C, dv])
+    and k^T delta ([C, dk] x [C, dv]) batched over heads. Operands are random (values do not change
+    a matmul's speed); the only other work is what keeps every product live."""
+    N = -(-T // C)
+    X = N * H
+    rng = np.random.default_rng(1)
+    rnd = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    tn = lambda lhs, rhs: jnp.einsum("xkm,xkp->xmp", lhs, rhs, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
+    args = (rnd(X, dk, C), rnd(X, dk, C), rnd(X, C, dk), rnd(X, C, dv), rnd(X, C, C), rnd(H, dk, dv))
+
+    def fwd(qT, kT, k, v, t, s0):
+        kk = tn(kT, jnp.concatenate([kT, qT], axis=-1))                 # [X, C, 2C]
+        tt = t + kk[..., :C]
+        u = tn(tt, v)                                                     # [X, C, dv]
+        wT = tn(k, tt)                                                    # [X, dk, C]
+        wq = jnp.concatenate([wT, qT], axis=-1)
+        per_chunk = lambda x: x.reshape((N, H) + x.shape[1:])  # noqa: E731
+
+        def step(S, x):
+            u_, wq_, a_, k_ = x
+            P = tn(wq_, S)
+            d = u_ - P[:, :C]
+            return S + tn(k_, d), P[:, C:] + tn(a_, d)
+
+        return jax.lax.scan(step, s0, tuple(map(per_chunk, (u, wq, kk[..., C:], k))))
+
+    f = jax.jit(fwd)
+    return best_of(lambda: jax.block_until_ready(f(*args)), repeats)
+
+
+def bmm_rates(T: int, H: int, dk: int, dv: int, C: int = 64, repeats: int = 5) -> dict[str, float]:
+    """FLOP per wall second of one batched matmul [N*H] x [C, dk] @ [dk, dv] three ways: XLA with
+    row-major operands ("nn": XLA:CPU gives it to YNNPACK), XLA with the left operand stored
+    transposed ("tn": Eigen's batched GEMM, the form the reference uses), and torch.bmm (MKL/oneDNN)."""
+    import torch
+
+    n = -(-T // C) * H
+    rng = np.random.default_rng(2)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in ((n, C, dk), (n, dk, dv)))
+    flops = 2 * n * C * dk * dv
+    ja, jat, jb = jnp.asarray(a), jnp.asarray(np.ascontiguousarray(a.transpose(0, 2, 1))), jnp.asarray(b)
+    nn = jax.jit(lambda x, y: jnp.einsum("nck,nkv->ncv", x, y))
+    tn = jax.jit(lambda x, y: jnp.einsum("nkc,nkv->ncv", x, y))
+    t_nn = best_of(lambda: jax.block_until_ready(nn(ja, jb)), repeats)["wall"]
+    t_tn = best_of(lambda: jax.block_until_ready(tn(jat, jb)), repeats)["wall"]
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    t_torch = best_of(lambda: torch.bmm(ta, tb), repeats)["wall"]
+    return {"xla_nn": flops / t_nn, "xla_tn": flops / t_tn, "torch": flops / t_torch}
 
 
 def make_inputs(T: int, H: int, dk: int, dv: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -152,6 +216,8 @@ def main() -> None:
              "scan": jax_timings(lambda *a: recurrent_gated_delta_rule_ref(*a), x, args.repeats,
                                  backward=T <= args.scan_bwd_max_t),
              "torch": torch_timings(x, args.repeats)}
+        r["dots"] = dots_only_forward(T, args.heads, args.dk, args.dv)
+        r["bmm_flops"] = bmm_rates(T, args.heads, args.dk, args.dv)
         peak2 = matmul_peak()
         r["peak_flops"] = {k: max(peak[k], peak2[k]) for k in peak}
         r["bound_s"] = {clock: {p: f / r["peak_flops"][clock] for p, f in flops.items()} for clock in ("wall", "cpu")}
@@ -177,14 +243,22 @@ def main() -> None:
 def print_row(r: dict, clock: str, header: bool) -> None:
     if header:
         print(f"{'T':>6} {'pass':>8} {'clock':>5} | {'xla ms':>9} {'torch ms':>10} {'scan ms':>10} | {'torch/xla':>9} "
-              f"{'scan/xla':>8} | {'GFLOP':>6} {'peak GF/s':>9} {'bound ms':>8} {'xla/bound':>9} {'% peak':>6}")
+              f"{'scan/xla':>8} | {'GFLOP':>6} {'peak GF/s':>9} {'bound ms':>8} {'xla/bound':>9} {'% peak':>6} | "
+              f"{'dots ms':>8} {'xla/dots':>8} {'dots/bound':>10} | {'bmm GF/s nn':>11} {'tn':>6} {'torch':>6}")
     for p in ("fwd", "fwd_bwd"):
         xla, torch_ = r["xla"][p][clock], r["torch"][p][clock]
         scan = r["scan"][p][clock] if p in r["scan"] else float("nan")
         bound = r["bound_s"][clock][p]
+        tail = ""
+        if p == "fwd":  # the matmul-only program and the bmm rates are forward measurements
+            dots = r["dots"][clock]
+            tail = f" | {dots * 1e3:8.1f} {xla / dots:8.2f} {dots / bound:10.2f} | "
+            bmm = r["bmm_flops"]
+            tail += (f"{bmm['xla_nn'] / 1e9:11.1f} {bmm['xla_tn'] / 1e9:6.1f} {bmm['torch'] / 1e9:6.1f}" if clock == "wall"
+                     else f"{'-':>11} {'-':>6} {'-':>6}")
         print(f"{r['T']:>6} {p:>8} {clock:>5} | {xla * 1e3:9.1f} {torch_ * 1e3:10.1f} {scan * 1e3:10.1f} | "
               f"{torch_ / xla:9.2f} {scan / xla:8.2f} | {r['flops'][p] / 1e9:6.2f} {r['peak_flops'][clock] / 1e9:9.1f} "
-              f"{bound * 1e3:8.1f} {xla / bound:9.2f} {100 * bound / xla:6.1f}")
+              f"{bound * 1e3:8.1f} {xla / bound:9.2f} {100 * bound / xla:6.1f}{tail}")
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
@@ -197,6 +271,8 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     for ax, p in zip(axes, ("fwd", "fwd_bwd")):
         for impl, style in (("xla", "o-"), ("torch", "s-"), ("scan", "^-")):
             ax.plot(Ts, [r[impl][p]["wall"] * 1e3 if p in r[impl] else float("nan") for r in rows], style, label=impl)
+        if p == "fwd":
+            ax.plot(Ts, [r["dots"]["wall"] * 1e3 for r in rows], "x:", label="xla matmuls only")
         ax.plot(Ts, [r["bound_s"]["wall"][p] * 1e3 for r in rows], "k--", label="FLOP bound")
         ax.set(xscale="log", yscale="log", xlabel="T", ylabel="wall ms", title=f"GDN {p} (B=1, H=4, dk=dv=128)")
         ax.legend()

@@ -223,6 +223,7 @@ def chunk_gated_delta_rule_ref(
     pad = N * C - T
     f32 = jnp.float32
 
+    X = B * H  # batch rows and heads merged: one batch axis for every matmul
     # Document index per token (0, 1, 2, ... along T). Comparing run indices instead of raw ids
     # makes a reused id (e.g. pad id 0 between every pair of documents) a separate document.
     reset_BT = _reset_flags(segment_ids, B, T)
@@ -231,73 +232,91 @@ def chunk_gated_delta_rule_ref(
     reset_BT = jnp.pad(reset_BT, ((0, 0), (0, pad)))
     run_BT = jnp.pad(run_BT, ((0, 0), (0, pad)), mode="edge")
 
-    def chunked(x: jax.Array) -> jax.Array:
-        """[B, T, H, ...] -> zero-padded fp32 [N, B, H, C, ...]: chunk-major, the layout the scan
-        over chunks consumes (one transpose here instead of one per scanned operand)."""
+    def chunked(x: jax.Array, feature_major: bool = False) -> jax.Array:
+        """[B, T, H, ...] -> zero-padded fp32 [N, X, C, ...] (chunk-major: the layout the scan over
+        chunks consumes), or [N, X, D, C] with ``feature_major`` (the left operand of a TN matmul)."""
         x = jnp.pad(x.astype(f32), ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-        x = x.reshape((B, N, C) + x.shape[2:])
-        return jnp.moveaxis(x, (1, 3), (0, 2))
+        x = jnp.moveaxis(x.reshape((B, N, C) + x.shape[2:]), (1, 3), (0, 2))   # [N, B, H, C, ...]
+        x = x.reshape((N, X) + x.shape[3:])
+        return jnp.swapaxes(x, -1, -2) if feature_major else x
 
-    q_NBHCK = chunked(q_BTHK) * scale
-    k_NBHCK = chunked(k_BTHK)
-    v_NBHCV = chunked(v_BTHV)
-    g_NBHC = chunked(g_BTH)
-    beta_NBHC = chunked(beta_BTH)
+    def per_row(m: jax.Array) -> jax.Array:
+        """[N, B, ...] -> [N, X, ...]: a batch row's mask, shared by its heads."""
+        return jnp.broadcast_to(m[:, :, None], (N, B, H) + m.shape[2:]).reshape((N, X) + m.shape[2:])
+
+    def tn(lhs_NXKM: jax.Array, rhs_NXKP: jax.Array) -> jax.Array:
+        """out[m, p] = sum_k lhs[k, m] rhs[k, p] per chunk and head: [N, X, K, M] x [N, X, K, P] -> [N, X, M, P].
+
+        Every matmul here has this "TN" form, both operands with the contracted axis second to last.
+        Why: XLA:CPU hands row-major small batched matmuls ([X, M, K] x [X, K, P]) to YNNPACK, which
+        runs them at about half the speed of the Eigen batched GEMM it uses for this form
+        (bench/gdn.py). On TPU/GPU the kernels run instead, and XLA re-lays-out dots freely there."""
+        lead = lhs_NXKM.shape[:-2]
+        lhs = lhs_NXKM.reshape((-1,) + lhs_NXKM.shape[-2:])
+        rhs = rhs_NXKP.reshape((-1,) + rhs_NXKP.shape[-2:])
+        return _einsum("xkm,xkp->xmp", lhs, rhs).reshape(lead + (lhs.shape[-1], rhs.shape[-1]))
+
+    q_NXKC = chunked(q_BTHK, feature_major=True) * scale
+    k_NXCK = chunked(k_BTHK)
+    k_NXKC = chunked(k_BTHK, feature_major=True)
+    v_NXCV = chunked(v_BTHV)
+    g_NXC = chunked(g_BTH)
+    beta_NXC = chunked(beta_BTH)
 
     # ---- masks (per batch row, shared by all heads) ----
     run_NBC = jnp.moveaxis(run_BT.reshape(B, N, C), 1, 0)
     prev_NB = jnp.concatenate([run_NBC[:1, :, 0], run_NBC[:-1, :, -1]], axis=0)
-    same_doc_NBCC = run_NBC[..., :, None] == run_NBC[..., None, :]
-    causal_CC = jnp.tril(jnp.ones((C, C), bool))          # token i sees its own update (diagonal)
-    strict_CC = jnp.tril(jnp.ones((C, C), bool), k=-1)    # UT system: only earlier tokens
-    attn_mask_NB1CC = (same_doc_NBCC & causal_CC)[:, :, None]
-    from_prev_NB1C = (run_NBC == prev_NB[..., None])[:, :, None]
-    to_last_NB1C = (run_NBC == run_NBC[..., -1:])[:, :, None]
-    keep_prev_NB1 = (run_NBC[..., -1] == prev_NB)[:, :, None]
+    same_doc_NXCC = per_row(run_NBC[..., :, None] == run_NBC[..., None, :])
+    # Transposed masks ([j, i]: key j, query i): the C x C products below come out transposed.
+    causal_T_CC = jnp.triu(jnp.ones((C, C), bool))        # token i sees its own update (diagonal)
+    strict_T_CC = jnp.triu(jnp.ones((C, C), bool), k=1)   # UT system: only earlier tokens
+    from_prev_NXC = per_row(run_NBC == prev_NB[..., None])
+    to_last_NXC = per_row(run_NBC == run_NBC[..., -1:])
+    keep_prev_NX = per_row(run_NBC[..., -1] == prev_NB)
 
     # ---- intra-chunk quantities, all chunks at once ----
     if segment_ids is None:
-        cum_NBHC = jnp.cumsum(g_NBHC, axis=-1)
+        cum_NXC = jnp.cumsum(g_NXC, axis=-1)
     else:
-        reset_NB1C = jnp.moveaxis(reset_BT.reshape(B, N, C), 1, 0)[:, :, None]
-        cum_NBHC = _segmented_cumsum(g_NBHC, reset_NB1C)
-    diff_NBHCC = cum_NBHC[..., :, None] - cum_NBHC[..., None, :]
-    decay_attn_NBHCC = _masked_exp(diff_NBHCC, attn_mask_NB1CC)
-    decay_ut_NBHCC = jnp.where(strict_CC, decay_attn_NBHCC, 0.0)   # same exponentials, diagonal off
+        cum_NXC = _segmented_cumsum(g_NXC, per_row(jnp.moveaxis(reset_BT.reshape(B, N, C), 1, 0)))
+    diff_T_NXCC = cum_NXC[..., None, :] - cum_NXC[..., :, None]              # [j, i] = cum_i - cum_j
+    decay_attn_T_NXCC = _masked_exp(diff_T_NXCC, same_doc_NXCC & causal_T_CC)  # same_doc is symmetric
+    decay_ut_T_NXCC = jnp.where(strict_T_CC, decay_attn_T_NXCC, 0.0)         # same exponentials, diagonal off
 
-    k_beta_NBHCK = k_NBHCK * beta_NBHC[..., None]
     # Delta-rule coupling of the chunk: d_i + sum_{j<i} A_ij d_j = beta_i v_i - (decayed S0)^T beta_i k_i.
-    A_NBHCC = _einsum("nbhik,nbhjk->nbhij", k_beta_NBHCK, k_NBHCK) * decay_ut_NBHCC
-    decay_in_NBHC = _masked_exp(cum_NBHC, from_prev_NB1C)
-    T_NBHCC = unit_lower_inverse(A_NBHCC)                                        # (I + A)^-1
-    u_NBHCV = _einsum("nbhij,nbhjv->nbhiv", T_NBHCC, v_NBHCV * beta_NBHC[..., None])
-    w_NBHCK = _einsum("nbhij,nbhjk->nbhik", T_NBHCC, k_beta_NBHCK * decay_in_NBHC[..., None])  # d = u - w S0
-
-    attn_NBHCC = _einsum("nbhik,nbhjk->nbhij", q_NBHCK, k_NBHCK) * decay_attn_NBHCC
-    q_dec_NBHCK = q_NBHCK * decay_in_NBHC[..., None]
-    cum_last_NBH1 = cum_NBHC[..., -1:]
-    # transposed ([K, C]) so that the scan's state update is a plain matmul
-    k_dec_NBHKC = jnp.swapaxes(k_NBHCK * _masked_exp(cum_last_NBH1 - cum_NBHC, to_last_NB1C)[..., None], -1, -2)
-    state_decay_NBH = _masked_exp(cum_last_NBH1[..., 0], keep_prev_NB1)
+    # A^T and attn^T in one matmul: A^T[j, i] = k_j . (beta_i k_i), attn^T[j, i] = k_j . q_i.
+    kk_T_NXCC2 = tn(k_NXKC, jnp.concatenate([k_NXKC * beta_NXC[..., None, :], q_NXKC], axis=-1))
+    A_NXCC = jnp.swapaxes(kk_T_NXCC2[..., :C] * decay_ut_T_NXCC, -1, -2)
+    attn_T_NXCC = kk_T_NXCC2[..., C:] * decay_attn_T_NXCC
+    decay_in_NXC = _masked_exp(cum_NXC, from_prev_NXC)
+    T_T_NXCC = jnp.swapaxes(unit_lower_inverse(A_NXCC), -1, -2)               # ((I + A)^-1)^T
+    u_NXCV = tn(T_T_NXCC, v_NXCV * beta_NXC[..., None])                       # T (beta v)
+    w_NXKC = tn(k_NXCK * (beta_NXC * decay_in_NXC)[..., None], T_T_NXCC)      # (T beta k decay_in)^T; d = u - w S0
+    q_dec_NXKC = q_NXKC * decay_in_NXC[..., None, :]
+    cum_last_NX1 = cum_NXC[..., -1:]
+    k_dec_NXCK = k_NXCK * _masked_exp(cum_last_NX1 - cum_NXC, to_last_NXC)[..., None]
+    state_decay_NX = _masked_exp(cum_last_NX1[..., 0], keep_prev_NX)
+    wq_NXKC2 = jnp.concatenate([w_NXKC, q_dec_NXKC], axis=-1)                 # both read the state S
 
     # ---- sequential pass over chunks ----
-    def step(S_BHKV, x):
-        u_BHCV, w_BHCK, q_dec_BHCK, attn_BHCC, k_dec_BHKC, state_decay_BH = x
-        delta_BHCV = u_BHCV - _einsum("bhck,bhkv->bhcv", w_BHCK, S_BHKV)
-        o_BHCV = (_einsum("bhck,bhkv->bhcv", q_dec_BHCK, S_BHKV)
-                  + _einsum("bhij,bhjv->bhiv", attn_BHCC, delta_BHCV))
-        S_in_BHKV = S_BHKV
-        S_BHKV = (S_BHKV * state_decay_BH[..., None, None]
-                  + _einsum("bhkc,bhcv->bhkv", k_dec_BHKC, delta_BHCV))
-        return S_BHKV, ((o_BHCV, S_in_BHKV) if return_chunk_states else o_BHCV)
+    def step(S_XKV, x):
+        u_XCV, wq_XKC2, attn_T_XCC, k_dec_XCK, state_decay_X = x
+        wq_S_XC2V = _einsum("xkm,xkp->xmp", wq_XKC2, S_XKV)                     # [w S ; q_dec S]
+        delta_XCV = u_XCV - wq_S_XC2V[:, :C]
+        o_XCV = wq_S_XC2V[:, C:] + _einsum("xkm,xkp->xmp", attn_T_XCC, delta_XCV)
+        S_in_XKV = S_XKV
+        S_XKV = S_XKV * state_decay_X[:, None, None] + _einsum("xkm,xkp->xmp", k_dec_XCK, delta_XCV)
+        return S_XKV, ((o_XCV, S_in_XKV) if return_chunk_states else o_XCV)
 
-    xs = (u_NBHCV, w_NBHCK, q_dec_NBHCK, attn_NBHCC, k_dec_NBHKC, state_decay_NBH)
-    state0_BHKV = (jnp.zeros((B, H, K, V), f32) if initial_state is None
-                   else initial_state.astype(f32))
-    final_BHKV, ys = lax.scan(step, state0_BHKV, xs)
-    o_NBHCV, states_NBHKV = ys if return_chunk_states else (ys, None)
+    xs = (u_NXCV, wq_NXKC2, attn_T_NXCC, k_dec_NXCK, state_decay_NX)
+    state0_XKV = (jnp.zeros((X, K, V), f32) if initial_state is None
+                  else initial_state.astype(f32).reshape(X, K, V))
+    final_XKV, ys = lax.scan(step, state0_XKV, xs)
+    o_NXCV, states_NXKV = ys if return_chunk_states else (ys, None)
 
-    o_BTHV = jnp.transpose(o_NBHCV, (1, 0, 3, 2, 4)).reshape(B, N * C, H, V)[:, :T]
+    o_BTHV = jnp.transpose(o_NXCV.reshape(N, B, H, C, V), (1, 0, 3, 2, 4)).reshape(B, N * C, H, V)[:, :T]
+    final_BHKV = final_XKV.reshape(B, H, K, V)
     if return_chunk_states:
-        return o_BTHV.astype(v_BTHV.dtype), final_BHKV, jnp.moveaxis(states_NBHKV, 0, 1)
+        states_BNHKV = jnp.moveaxis(states_NXKV.reshape(N, B, H, K, V), 0, 1)
+        return o_BTHV.astype(v_BTHV.dtype), final_BHKV, states_BNHKV
     return o_BTHV.astype(v_BTHV.dtype), final_BHKV
