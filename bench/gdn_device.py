@@ -1,0 +1,170 @@
+"""Device check of the Pallas GDN kernels: errors against the jnp reference, and kernel vs XLA-path time.
+
+    python bench/gdn_device.py                   # GPU / TPU host: T = 8k, 32k; B = 1, 32 heads, dk = dv = 128
+    python bench/gdn_device.py --smoke           # any host (CPU: interpret mode), tiny shapes: checks the script
+
+For each T and each op (``causal``: ``chunk_gated_delta_rule``; ``block``: ``block_gated_delta_rule``
+with block 32, chunk 64, both streams), on one packed row (3 documents) with an initial state:
+- errors: max |kernel - reference| / max |reference| of the outputs, the final state and every
+  gradient of a random scalar loss (q, k, v, g, beta, s0; block: also the noisy q, k, v and the
+  calibration scalars), fp32 inputs; the reference is ``backend="reference"`` (the XLA path);
+- time: best wall time of the jitted forward and forward+backward, kernel vs reference, in
+  ``--time-dtype`` (bf16 q / k / v by default, the training dtype; state and accumulation are fp32).
+
+It writes the JSON after every row (``--out``, default ``$OUT/gdn_device.json`` when ``$OUT`` is set,
+else bench/results/gdn_device.json), so a run cut short by the device's time limit keeps what it
+measured, and it skips what would start after ``--budget-s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import best_time  # noqa: E402
+from pallas_kernels import block_gated_delta_rule, chunk_gated_delta_rule  # noqa: E402
+
+BLOCK, CHUNK = 32, 64
+CAUSAL_ARGS = ("q", "k", "v", "g", "beta", "s0")
+BLOCK_ARGS = CAUSAL_ARGS + ("qn", "kn", "vn", "scalars")
+
+
+def make_case(T: int, H: int, dk: int, dv: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """One row of 3 packed documents (lengths T/2, T/4, T/4: starts off the chunk grid when T/4 is
+    not a multiple of 64) with realistic gates; scalars off their init so every term counts."""
+    rng = np.random.default_rng(seed)
+    f32 = np.float32
+    n = lambda *s: rng.standard_normal(s).astype(f32)  # noqa: E731
+    l2 = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    cut = [T // 2 + 3, T // 4 - 3, T - (T // 2 + 3) - (T // 4 - 3)]
+    return dict(q=l2(n(1, T, H, dk)), k=l2(n(1, T, H, dk)), v=n(1, T, H, dv),
+                g=(-np.logaddexp(0.0, n(1, T, H))).astype(f32), beta=(1 / (1 + np.exp(-n(1, T, H)))).astype(f32),
+                s0=0.5 * n(1, H, dk, dv), qn=l2(n(1, T, H, dk)), kn=l2(n(1, T, H, dk)), vn=n(1, T, H, dv),
+                scalars=np.stack([np.sqrt(dk) * (1 + 0.2 * n(H)), n(H), 1 + 0.3 * n(H)], -1).astype(f32),
+                seg=np.repeat(np.arange(1, 4, dtype=np.int32), cut)[None],
+                w_o=n(1, T, H, dv), w_on=n(1, T, H, dv), w_s=n(1, H, dk, dv))
+
+
+def op_fns(op: str, backend: str, interpret: bool | None):
+    """(forward, loss) of one op and backend; both take the op's arrays in order, then seg and the
+    loss weights. The loss is a random linear function of every output (o, o_noisy, final state)."""
+    def forward(*a):
+        if op == "causal":
+            q, k, v, g, beta, s0, seg = a[:7]
+            o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, segment_ids=seg,
+                                          chunk_size=CHUNK, backend=backend, interpret=interpret)
+            return (o, s)
+        q, k, v, g, beta, s0, qn, kn, vn, scalars, seg = a[:11]
+        return block_gated_delta_rule(q, k, v, g, beta, qn, kn, vn, scalars, block_size=BLOCK,
+                                      initial_state=s0, segment_ids=seg, chunk_size=CHUNK,
+                                      backend=backend, interpret=interpret)
+
+    def loss(*a):
+        outs = forward(*a)
+        weights = a[-len(outs):]  # w_o, (w_on,) w_s
+        return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, weights))
+
+    return forward, loss
+
+
+def run_op(op: str, x: dict[str, np.ndarray], time_dtype, interpret: bool | None, repeats: int) -> dict:
+    """Errors (fp32) and timings (time_dtype) of one op, kernel vs reference."""
+    names = CAUSAL_ARGS if op == "causal" else BLOCK_ARGS
+    extra = ("seg", "w_o", "w_on", "w_s") if op == "block" else ("seg", "w_o", "w_s")
+    argnums = tuple(range(len(names)))
+    f32_args = [jnp.asarray(x[n]) for n in names + extra]
+    res: dict = {"errors": {}, "time_s": {}, "compile_s": {}}
+
+    grads = {}
+    for backend in ("pallas", "reference"):
+        _, loss = op_fns(op, backend, interpret)
+        vg = jax.jit(jax.value_and_grad(lambda *a, loss=loss: loss(*a), argnums=argnums))
+        fwd = jax.jit(op_fns(op, backend, interpret)[0])
+        grads[backend] = (jax.device_get(fwd(*f32_args)), jax.device_get(vg(*f32_args)[1]))
+    (out_k, g_k), (out_r, g_r) = grads["pallas"], grads["reference"]
+    rel = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))  # noqa: E731
+                             / max(float(np.max(np.abs(np.asarray(b, np.float64)))), 1e-30))
+    out_names = ("o", "final_state") if op == "causal" else ("o_clean", "o_noisy", "final_state")
+    res["errors"] = {**{n: rel(a, b) for n, a, b in zip(out_names, out_k, out_r)},
+                     **{f"d{n}": rel(a, b) for n, a, b in zip(names, g_k, g_r)}}
+
+    cast = {"q", "k", "v", "qn", "kn", "vn"}
+    t_args = [jnp.asarray(x[n], time_dtype) if n in cast else jnp.asarray(x[n]) for n in names + extra]
+    for backend in ("pallas", "reference"):
+        fwd, loss = op_fns(op, backend, interpret)
+        for label, fn in (("fwd", jax.jit(fwd)),
+                          ("fwd_bwd", jax.jit(jax.value_and_grad(lambda *a, loss=loss: loss(*a), argnums=argnums)))):
+            t0 = time.perf_counter()
+            compiled = fn.lower(*t_args).compile()
+            res["compile_s"][f"{backend}_{label}"] = time.perf_counter() - t0
+            res["time_s"][f"{backend}_{label}"] = best_time(lambda: compiled(*t_args), repeats)
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--dk", type=int, default=128)
+    ap.add_argument("--dv", type=int, default=128)
+    ap.add_argument("--ops", nargs="+", default=["causal", "block"], choices=["causal", "block"])
+    ap.add_argument("--time-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=480.0, help="start no new (T, op) after this many seconds")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (T = 256, 2 heads, dk = dv = 32), 1 repeat")
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.seqs, args.heads, args.dk, args.dv, args.repeats = [256], 2, 32, 32, 1
+    out = args.out or (pathlib.Path(os.environ["OUT"]) / "gdn_device.json" if os.environ.get("OUT")
+                       else pathlib.Path(__file__).resolve().parent / "results" / "gdn_device.json")
+    interpret = None  # the dispatch default: interpret on CPU only
+    dev = jax.devices()[0]
+    meta = {"jax": jax.__version__, "device": f"{dev.platform}: {dev.device_kind}", "host": platform.node(),
+            "B": 1, "H": args.heads, "dk": args.dk, "dv": args.dv, "block": BLOCK, "chunk": CHUNK,
+            "time_dtype": args.time_dtype, "repeats": args.repeats}
+    print(f"jax {jax.__version__} on {meta['device']}; H={args.heads} dk={args.dk} dv={args.dv}", flush=True)
+    report = {"meta": meta, "rows": [], "skipped": []}
+    start = time.perf_counter()
+    for T in args.seqs:
+        x = make_case(T, args.heads, args.dk, args.dv)
+        for op in args.ops:
+            elapsed = time.perf_counter() - start
+            if elapsed > args.budget_s:
+                report["skipped"].append({"T": T, "op": op, "after_s": elapsed})
+                print(f"T={T} {op}: skipped ({elapsed:.0f} s > --budget-s {args.budget_s:.0f})", flush=True)
+                continue
+            r = {"T": T, "op": op, **run_op(op, x, jnp.dtype(args.time_dtype), interpret, args.repeats)}
+            report["rows"].append(r)
+            print_row(r)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return report
+
+
+def print_row(r: dict) -> None:
+    t = r["time_s"]
+    worst = max(r["errors"], key=r["errors"].get)
+    print(f"T={r['T']:>6} {r['op']:>6} | fwd kernel {t['pallas_fwd'] * 1e3:8.2f} ms  xla {t['reference_fwd'] * 1e3:8.2f} ms "
+          f"({t['reference_fwd'] / t['pallas_fwd']:5.1f}x) | fwd+bwd kernel {t['pallas_fwd_bwd'] * 1e3:8.2f} ms  "
+          f"xla {t['reference_fwd_bwd'] * 1e3:8.2f} ms ({t['reference_fwd_bwd'] / t['pallas_fwd_bwd']:5.1f}x) | "
+          f"worst rel error {worst} {r['errors'][worst]:.1e}", flush=True)
+    print("    errors: " + ", ".join(f"{k} {v:.1e}" for k, v in r["errors"].items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
