@@ -3,6 +3,9 @@
     python bench/gdn_device.py                   # GPU / TPU host: T = 8k, 32k; B = 1, 32 heads, dk = dv = 128
     python bench/gdn_device.py --smoke           # any host (CPU: interpret mode), tiny shapes: checks the script
 
+On a lent H200 (its image has jax with the CUDA plugin; nothing else of ours is needed), as one call:
+    PYTHONUNBUFFERED=1 python3 bench/gdn_device.py 2>&1 | tee $OUT/gdn_device.log
+
 For each T and each op (``causal``: ``chunk_gated_delta_rule``; ``block``: ``block_gated_delta_rule``
 with block 32, chunk 64, both streams), on one packed row (3 documents) with an initial state:
 - errors: max |kernel - reference| / max |reference| of the outputs, the final state and every
