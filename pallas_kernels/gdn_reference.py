@@ -32,6 +32,20 @@ def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
     return jnp.einsum(spec, *operands, precision=_HI)
 
 
+def _tn(lhs_XKM: jax.Array, rhs_XKP: jax.Array) -> jax.Array:
+    """``out[..., m, p] = sum_k lhs[..., k, m] rhs[..., k, p]``: [..., K, M] x [..., K, P] -> [..., M, P].
+
+    Every matmul of the chunked op has this "TN" form, both operands with the contracted axis second
+    to last. Why: XLA:CPU hands row-major small batched matmuls ([X, M, K] x [X, K, P]) to YNNPACK,
+    which runs them at about half the speed of the Eigen batched GEMM it uses for this form
+    (bench/gdn.py, bmm columns). On TPU/GPU the kernels run instead, and XLA lays out dots itself.
+    """
+    lead = lhs_XKM.shape[:-2]
+    lhs = lhs_XKM.reshape((-1,) + lhs_XKM.shape[-2:])
+    rhs = rhs_XKP.reshape((-1,) + rhs_XKP.shape[-2:])
+    return _einsum("xkm,xkp->xmp", lhs, rhs).reshape(lead + (lhs.shape[-1], rhs.shape[-1]))
+
+
 def _check_inputs(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
     initial_state: jax.Array | None, segment_ids: jax.Array | None,
@@ -234,7 +248,7 @@ def chunk_gated_delta_rule_ref(
 
     def chunked(x: jax.Array, feature_major: bool = False) -> jax.Array:
         """[B, T, H, ...] -> zero-padded fp32 [N, X, C, ...] (chunk-major: the layout the scan over
-        chunks consumes), or [N, X, D, C] with ``feature_major`` (the left operand of a TN matmul)."""
+        chunks consumes), or [N, X, D, C] with ``feature_major`` (the left operand of :func:`_tn`)."""
         x = jnp.pad(x.astype(f32), ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
         x = jnp.moveaxis(x.reshape((B, N, C) + x.shape[2:]), (1, 3), (0, 2))   # [N, B, H, C, ...]
         x = x.reshape((N, X) + x.shape[3:])
@@ -243,18 +257,6 @@ def chunk_gated_delta_rule_ref(
     def per_row(m: jax.Array) -> jax.Array:
         """[N, B, ...] -> [N, X, ...]: a batch row's mask, shared by its heads."""
         return jnp.broadcast_to(m[:, :, None], (N, B, H) + m.shape[2:]).reshape((N, X) + m.shape[2:])
-
-    def tn(lhs_NXKM: jax.Array, rhs_NXKP: jax.Array) -> jax.Array:
-        """out[m, p] = sum_k lhs[k, m] rhs[k, p] per chunk and head: [N, X, K, M] x [N, X, K, P] -> [N, X, M, P].
-
-        Every matmul here has this "TN" form, both operands with the contracted axis second to last.
-        Why: XLA:CPU hands row-major small batched matmuls ([X, M, K] x [X, K, P]) to YNNPACK, which
-        runs them at about half the speed of the Eigen batched GEMM it uses for this form
-        (bench/gdn.py). On TPU/GPU the kernels run instead, and XLA re-lays-out dots freely there."""
-        lead = lhs_NXKM.shape[:-2]
-        lhs = lhs_NXKM.reshape((-1,) + lhs_NXKM.shape[-2:])
-        rhs = rhs_NXKP.reshape((-1,) + rhs_NXKP.shape[-2:])
-        return _einsum("xkm,xkp->xmp", lhs, rhs).reshape(lead + (lhs.shape[-1], rhs.shape[-1]))
 
     q_NXKC = chunked(q_BTHK, feature_major=True) * scale
     k_NXCK = chunked(k_BTHK)
@@ -285,13 +287,13 @@ def chunk_gated_delta_rule_ref(
 
     # Delta-rule coupling of the chunk: d_i + sum_{j<i} A_ij d_j = beta_i v_i - (decayed S0)^T beta_i k_i.
     # A^T and attn^T in one matmul: A^T[j, i] = k_j . (beta_i k_i), attn^T[j, i] = k_j . q_i.
-    kk_T_NXCC2 = tn(k_NXKC, jnp.concatenate([k_NXKC * beta_NXC[..., None, :], q_NXKC], axis=-1))
+    kk_T_NXCC2 = _tn(k_NXKC, jnp.concatenate([k_NXKC * beta_NXC[..., None, :], q_NXKC], axis=-1))
     A_NXCC = jnp.swapaxes(kk_T_NXCC2[..., :C] * decay_ut_T_NXCC, -1, -2)
     attn_T_NXCC = kk_T_NXCC2[..., C:] * decay_attn_T_NXCC
     decay_in_NXC = _masked_exp(cum_NXC, from_prev_NXC)
     T_T_NXCC = jnp.swapaxes(unit_lower_inverse(A_NXCC), -1, -2)               # ((I + A)^-1)^T
-    u_NXCV = tn(T_T_NXCC, v_NXCV * beta_NXC[..., None])                       # T (beta v)
-    w_NXKC = tn(k_NXCK * (beta_NXC * decay_in_NXC)[..., None], T_T_NXCC)      # (T beta k decay_in)^T; d = u - w S0
+    u_NXCV = _tn(T_T_NXCC, v_NXCV * beta_NXC[..., None])                       # T (beta v)
+    w_NXKC = _tn(k_NXCK * (beta_NXC * decay_in_NXC)[..., None], T_T_NXCC)      # (T beta k decay_in)^T; d = u - w S0
     q_dec_NXKC = q_NXKC * decay_in_NXC[..., None, :]
     cum_last_NX1 = cum_NXC[..., -1:]
     k_dec_NXCK = k_NXCK * _masked_exp(cum_last_NX1 - cum_NXC, to_last_NXC)[..., None]
@@ -301,11 +303,11 @@ def chunk_gated_delta_rule_ref(
     # ---- sequential pass over chunks ----
     def step(S_XKV, x):
         u_XCV, wq_XKC2, attn_T_XCC, k_dec_XCK, state_decay_X = x
-        wq_S_XC2V = _einsum("xkm,xkp->xmp", wq_XKC2, S_XKV)                     # [w S ; q_dec S]
+        wq_S_XC2V = _tn(wq_XKC2, S_XKV)                                          # [w S ; q_dec S]
         delta_XCV = u_XCV - wq_S_XC2V[:, :C]
-        o_XCV = wq_S_XC2V[:, C:] + _einsum("xkm,xkp->xmp", attn_T_XCC, delta_XCV)
+        o_XCV = wq_S_XC2V[:, C:] + _tn(attn_T_XCC, delta_XCV)
         S_in_XKV = S_XKV
-        S_XKV = S_XKV * state_decay_X[:, None, None] + _einsum("xkm,xkp->xmp", k_dec_XCK, delta_XCV)
+        S_XKV = S_XKV * state_decay_X[:, None, None] + _tn(k_dec_XCK, delta_XCV)
         return S_XKV, ((o_XCV, S_in_XKV) if return_chunk_states else o_XCV)
 
     xs = (u_NXCV, wq_NXKC2, attn_T_NXCC, k_dec_NXCK, state_decay_NX)
