@@ -44,8 +44,8 @@ BLOCK_ARGS = CAUSAL_ARGS + ("qn", "kn", "vn", "scalars")
 
 
 def make_case(T: int, H: int, dk: int, dv: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """One row of 3 packed documents (lengths T/2, T/4, T/4: starts off the chunk grid when T/4 is
-    not a multiple of 64) with realistic gates; scalars off their init so every term counts."""
+    """One row of 3 packed documents (about T/2, T/4, T/4 tokens, the boundaries 3 tokens off the
+    chunk grid) with realistic gates; scalars off their init so every term counts."""
     rng = np.random.default_rng(seed)
     f32 = np.float32
     n = lambda *s: rng.standard_normal(s).astype(f32)  # noqa: E731
@@ -92,8 +92,8 @@ def run_op(op: str, x: dict[str, np.ndarray], time_dtype, interpret: bool | None
     def arrays(dtype):
         return [jnp.asarray(x[n], dtype) if n in cast else jnp.asarray(x[n]) for n in names + extra]
 
-    def compiled(dtype) -> tuple[list, dict]:
-        """{backend_pass: compiled program} for one input dtype, and the compile seconds."""
+    def compiled(dtype) -> tuple[list, dict, dict]:
+        """(the arrays, {backend_pass: compiled program}, {backend_pass: compile seconds}) for one input dtype."""
         args, progs, secs = arrays(dtype), {}, {}
         for backend in ("pallas", "reference"):
             fwd, loss = op_fns(op, backend, interpret)
