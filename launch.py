@@ -80,18 +80,16 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from clover_jax import sharding as sh
     from clover_jax.bridge import QWEN_TOKENIZER_SIZE
     from clover_jax.config import ModelConfig, param_count
-    from clover_jax.model import abstract_model, model_to_params
+    from clover_jax.model import abstract_model
     from clover_jax.yaml_config import ConfigError, apply_overrides, from_tree
     from sft.config import load_sft_config, model_config_from
-    from sft.recipe import SFTSetup
+    from sft.recipe import SFTSetup, sharded_abstract_state
     from train.aot import CompileConfig, active_params, compile_plan, topology_mesh
     from train.optimizer import build_optimizer
-    from train.state import init_train_state
 
     comp = [o for o in overrides if o.split("=", 1)[0].startswith("compile.")]
     rest = [o for o in overrides if o not in comp]
@@ -126,15 +124,7 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
         print(f"compiling the SFT train step of {path} for {topo_name} ({rows} rows x {t} tokens, {mb} "
               f"micro-batches, block {bk}, remat {policy}, GDN {mcfg.gdn_backend}) ...", flush=True)
         topo, mesh = topology_mesh(topo_name, cfg.mesh)
-        p_sh = sh.param_shardings(model, mesh)
-        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              model_to_params(model), p_sh)
-        state = jax.eval_shape(lambda p: init_train_state(p, optimizer, seed=cfg.train.seed,
-                                                          master_dtype=cfg.train.param_dtype), params)
-        rep = NamedSharding(mesh, P())
-        state_sh = type(state)(params=p_sh, opt_state=sh.opt_state_shardings(state.opt_state, p_sh, mesh),
-                               step=rep, rng=rep)
-        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
+        p_sh, state_sh, state = sharded_abstract_state(model, optimizer, mesh, cfg.train)
         b_sh = sh.batch_sharding(mesh, shape=(rows, t))
         batch = {k: jax.ShapeDtypeStruct((rows, t), dt, sharding=b_sh)
                  for k, dt in (("input_ids", jnp.int32), ("segment_ids", jnp.int32), ("positions", jnp.int32),

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from clover_jax import sharding as sh
 from clover_jax.config import ModelConfig
@@ -264,10 +264,28 @@ class SFTSetup:
                                 master_dtype=self.cfg.train.param_dtype, out_shardings=self.state_shardings)
 
 
+def sharded_abstract_state(model: nnx.Module, optimizer: Any, mesh: Mesh, train_cfg: Any) -> tuple[Any, Any, Any]:
+    """(param shardings, train-state shardings, abstract train state carrying those shardings) of
+    `model` on `mesh`: shapes only, no weights; shared by `prepare` and `launch.py compile`."""
+    from train.state import init_train_state
+
+    p_sh = sh.param_shardings(model, mesh)
+    abstract_params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                   model_to_params(model), p_sh)
+    abstract_state = jax.eval_shape(lambda p: init_train_state(p, optimizer, seed=train_cfg.seed,
+                                                               master_dtype=train_cfg.param_dtype), abstract_params)
+    replicated = NamedSharding(mesh, P())
+    state_sh = type(abstract_state)(
+        params=p_sh, opt_state=sh.opt_state_shardings(abstract_state.opt_state, p_sh, mesh),
+        step=replicated, rng=replicated)
+    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                  abstract_state, state_sh)
+    return p_sh, state_sh, abstract_state
+
+
 def prepare(cfg: SFTConfig) -> SFTSetup:
     """Steps 1-4 of the module docstring (no weights read, nothing trained)."""
     from train.optimizer import build_optimizer
-    from train.state import init_train_state
 
     kind, path, ck_cfg, tok_dir = _source(cfg)
     mcfg = model_config_from(cfg.model, ck_cfg)
@@ -288,17 +306,7 @@ def prepare(cfg: SFTConfig) -> SFTSetup:
     model = abstract_model(mcfg)
     graphdef, _ = nnx.split(model)
     optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
-    p_sh = sh.param_shardings(model, mesh)
-    abstract_params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                   model_to_params(model), p_sh)
-    abstract_state = jax.eval_shape(lambda p: init_train_state(p, optimizer, seed=cfg.train.seed,
-                                                               master_dtype=cfg.train.param_dtype), abstract_params)
-    replicated = NamedSharding(mesh, P())
-    state_sh = type(abstract_state)(
-        params=p_sh, opt_state=sh.opt_state_shardings(abstract_state.opt_state, p_sh, mesh),
-        step=replicated, rng=replicated)
-    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                  abstract_state, state_sh)
+    p_sh, state_sh, abstract_state = sharded_abstract_state(model, optimizer, mesh, cfg.train)
     return SFTSetup(cfg=cfg, model_cfg=mcfg, kind=kind, init_path=path, tok_dir=tok_dir, data=data, mesh=mesh,
                     graphdef=graphdef, optimizer=optimizer, param_shardings=p_sh, state_shardings=state_sh,
                     abstract_state=abstract_state)
