@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import launch
+from launch_utils import run_main as _main
 from clover_jax import tokenizer as T
 from clover_jax.config import ModelConfig
 from hf_fixtures import (
@@ -18,15 +19,6 @@ from hf_fixtures import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-
-def _main(argv, capsys):
-    """launch.main's exit code (argparse's SystemExit included) and its (stdout, stderr)."""
-    try:
-        rc = launch.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.fixture(scope="module")

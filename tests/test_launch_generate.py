@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 import launch
+from launch_utils import run_main as _main
 from clover_jax.api import load_hf, save_hf
 from clover_jax.decoding import DecodeConfig, Decoder
 from clover_jax.tokenizer import load_tokenizer
@@ -19,15 +20,6 @@ from decode_fixtures import encode_example, eval_records, tool_call_records, tra
 # unoptimised XLA backend (same tokens, ~4x faster compiles) and 16-row batches: the shapes of
 # test_decoding / test_calibrate, so the three files share compiled programs
 FAST = ["decode.fast_compile=true", "decode.batch_bucket=16"]
-
-
-def _main(argv, capsys):
-    try:
-        rc = launch.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _api(ckpt, prompts, **kw):
