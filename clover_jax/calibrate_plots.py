@@ -15,6 +15,16 @@ from pathlib import Path
 from typing import Any
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Lays out, writes (100 dpi) and closes one figure; returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_plots(out: Path, rows: list[dict[str, Any]], loss_rows: list[dict[str, Any]],
                 scalars: list[dict[str, Any]], quality: str) -> list[Path]:
     import matplotlib
@@ -41,10 +51,7 @@ def write_plots(out: Path, rows: list[dict[str, Any]], loss_rows: list[dict[str,
     ax.set_title("quality vs speed")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(out / "quality_vs_speed.png")
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+    written.append(_save(fig, out / "quality_vs_speed.png"))
 
     hist_rows = [r for r in rows if r["mode"] != "ar" and "history_share_L0" in r]
     hist_cols = sorted({c for r in hist_rows for c in r if c.startswith("history_share_L")}, key=lambda c: int(c[15:]))
@@ -61,10 +68,7 @@ def write_plots(out: Path, rows: list[dict[str, Any]], loss_rows: list[dict[str,
         ax.set_ylabel("mean history-unit softmax share")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out / "history_share.png")
-        fig.savefig(written[-1], dpi=100)
-        plt.close(fig)
+        written.append(_save(fig, out / "history_share.png"))
 
     if loss_rows:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -78,10 +82,7 @@ def write_plots(out: Path, rows: list[dict[str, Any]], loss_rows: list[dict[str,
         ax.set_ylabel("masked-token CE")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out / "loss_vs_t.png")
-        fig.savefig(written[-1], dpi=100)
-        plt.close(fig)
+        written.append(_save(fig, out / "loss_vs_t.png"))
 
     if scalars:
         fig, axes = plt.subplots(1, 3, figsize=(10, 3.2))
@@ -91,10 +92,7 @@ def write_plots(out: Path, rows: list[dict[str, Any]], loss_rows: list[dict[str,
             ax.set_xlabel("GDN layer")
             ax.set_title(name)
             ax.grid(alpha=0.3)
-        fig.tight_layout()
-        written.append(out / "scalars.png")
-        fig.savefig(written[-1], dpi=100)
-        plt.close(fig)
+        written.append(_save(fig, out / "scalars.png"))
     return written
 
 
