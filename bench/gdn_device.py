@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.smoke:
         args.seqs, args.heads, args.dk, args.dv, args.repeats = [256], 2, 32, 32, 1
+    bad = [T for T in args.seqs if T < 2 * CHUNK or T % BLOCK]
+    if bad:
+        ap.error(f"--seqs {bad}: each T must be a multiple of the block size {BLOCK} and at least {2 * CHUNK}")
     # fp32 timing reuses the error programs (half the compiles): the smoke default
     args.time_dtype = args.time_dtype or ("float32" if args.smoke else "bfloat16")
     out = args.out or (pathlib.Path(os.environ["OUT"]) / "gdn_device.json" if os.environ.get("OUT")
