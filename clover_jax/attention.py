@@ -1,7 +1,10 @@
 """Gated GQA full attention with q/k norm and partial RoPE (Qwen3.5 `Qwen3_5MoeAttention`).
 
-The core (`attend`) takes an explicit boolean mask [B, Tq, Tk], built by a pure function of slots
-and segment ids, so the block-diffusion issue can feed its own masks through the same code.
+The attention core is chosen by `ModelConfig.attn_backend` through `pallas_kernels.attention_dispatch`:
+the training streams (clean: causal in-document; noisy: the block rule of DESIGN.md 3.1) run the
+TPU splash kernel or the jnp reference (`attend` over an explicit boolean mask [B, Tq, Tk], built
+by a pure function of slots and segment ids). Prefill, decoding and the decode-side block steps
+keep the dense reference: their masks index a cache, and their query blocks are short.
 Keys come either from the current tokens (training forward) or from a preallocated KV cache that
 the current tokens are first written into (prefill and decode: one code path for both).
 """
@@ -16,6 +19,13 @@ from flax import nnx
 
 from clover_jax.config import ModelConfig
 from clover_jax.nn import Dense, RMSNorm, dtype_of
+from pallas_kernels.attention_reference import (  # noqa: F401  (re-exported: the model's mask builders)
+    attend,
+    causal_segment_mask,
+    noisy_query_mask,
+    two_stream_masks,
+)
+from pallas_kernels.attention_dispatch import stream_attention
 
 
 def rope_tables(positions_BT: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -37,46 +47,6 @@ def apply_rope(x_BTHD: jax.Array, cos_BTR: jax.Array, sin_BTR: jax.Array) -> jax
     return jnp.concatenate([out.astype(x_BTHD.dtype), x_pass], axis=-1)
 
 
-def causal_segment_mask(
-    q_slot_BT: jax.Array, q_seg_BT: jax.Array, k_slot_BS: jax.Array, k_seg_BS: jax.Array
-) -> jax.Array:
-    """[B, Tq, Tk] bool: key visible iff it is not later than the query and in the same document.
-
-    Slots are indices in the (cached) sequence, not RoPE positions, so causality stays right when
-    positions restart per packed document. Pads are their own segment and never meet a document.
-    """
-    causal = k_slot_BS[:, None, :] <= q_slot_BT[:, :, None]
-    same_doc = k_seg_BS[:, None, :] == q_seg_BT[:, :, None]
-    return causal & same_doc
-
-
-def noisy_query_mask(
-    q_start_BT: jax.Array, q_seg_BT: jax.Array, k_slot_BS: jax.Array, k_seg_BS: jax.Array,
-    k_start_BS: jax.Array, k_noisy_S: jax.Array,
-) -> jax.Array:
-    """[B, Tq, S] bool, the block-diffusion rule for NOISY queries (DESIGN.md 3.1): a clean key is
-    visible iff it is in the query's document and strictly before the query's block start; a noisy
-    key iff it is in the query's document and in the same block. `*_start`: slot of the first
-    position of the token's block; `k_noisy_S`: which keys are noisy-stream tokens."""
-    same_doc = k_seg_BS[:, None, :] == q_seg_BT[:, :, None]
-    clean_ok = ~k_noisy_S[None, None, :] & (k_slot_BS[:, None, :] < q_start_BT[:, :, None])
-    noisy_ok = k_noisy_S[None, None, :] & (k_start_BS[:, None, :] == q_start_BT[:, :, None])
-    return same_doc & (clean_ok | noisy_ok)
-
-
-def two_stream_masks(segment_ids_BT: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """(clean [B, T, T], noisy [B, T, 2T]) training masks; keys of the noisy rows are clean slots
-    0..T-1 then noisy slots T..2T-1. Blocks are on the row grid (slot // block_size)."""
-    b, t = segment_ids_BT.shape
-    slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    start = slots - slots % block_size
-    clean = causal_segment_mask(slots, segment_ids_BT, slots, segment_ids_BT)
-    both = lambda a: jnp.concatenate([a, a], axis=1)  # noqa: E731
-    noisy = noisy_query_mask(start, segment_ids_BT, both(slots), both(segment_ids_BT), both(start),
-                             jnp.arange(2 * t) >= t)
-    return clean, noisy
-
-
 def two_stream_mask(segment_ids_BT: jax.Array, block_size: int) -> jax.Array:
     """The full [B, 2T, 2T] training mask over (clean slots 0..T-1 || noisy slots T..2T-1), a pure
     function of the indices, the segments and the block size: clean queries are token-causal within
@@ -84,26 +54,6 @@ def two_stream_mask(segment_ids_BT: jax.Array, block_size: int) -> jax.Array:
     clean, noisy = two_stream_masks(segment_ids_BT, block_size)
     clean_rows = jnp.concatenate([clean, jnp.zeros_like(clean)], axis=2)
     return jnp.concatenate([clean_rows, noisy], axis=1)
-
-
-def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask_BTS: jax.Array) -> jax.Array:
-    """Softmax attention with GQA (query head h uses KV head h // (H/K)), fp32 softmax.
-
-    A query with no visible key (never the case for real tokens: each sees itself) gets zeros.
-    Returns [B, T, H, D] in the dtype of v.
-    """
-    b, t, h, d = q_BTHD.shape
-    kv = k_BSKD.shape[2]
-    q_BTKGD = q_BTHD.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32)
-    scores = scores * (d ** -0.5)
-    mask = mask_BTS[:, None, None, :, :]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask, probs, 0.0)  # rows with no visible key: 0 instead of NaN
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BSKD.dtype), v_BSKD,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(v_BSKD.dtype)
 
 
 class Attention(nnx.Module):
@@ -121,6 +71,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, rngs=rngs, axis_name="head_dim", param_dtype=pd)
         self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, rngs=rngs, axis_name="head_dim", param_dtype=pd)
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, hd
+        self.backend = cfg.attn_backend
 
     def project_kv(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Normed, rotated keys and values [B, T, K, hd]."""
@@ -146,7 +97,8 @@ class Attention(nnx.Module):
         self, x_BTD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array] | None = None
     ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         """x [B, T, D] -> [B, T, D]. `ctx` holds `cos`, `sin` [B, T, R] and `mask` [B, T, S] (S = T
-        without cache, the cache length with one); with a cache (`k`, `v` [B, S, K, hd]) the new keys
+        without cache, the cache length with one; without a cache on a kernel backend, `segment_ids`
+        [B, T] instead); with a cache (`k`, `v` [B, S, K, hd]) the new keys
         are written at `ctx["cache_index"]` first and the updated cache is returned."""
         q, gate = self.project_q(x_BTD, ctx["cos"], ctx["sin"])
         k, v = self.project_kv(x_BTD, ctx["cos"], ctx["sin"])
@@ -156,20 +108,26 @@ class Attention(nnx.Module):
             v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), idx, axis=1)
             cache = {"k": k_all, "v": v_all}
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-        out = attend(q, k, v, ctx["mask"])
+        if "mask" in ctx:  # a cache, or the reference backend: the dense mask is given
+            out = attend(q, k, v, ctx["mask"])
+        else:  # the clean forward without a cache on a kernel backend
+            out = stream_attention(q, k, v, ctx["segment_ids"], stream="clean", backend=self.backend)
         return self.output(out, gate), cache
 
 
     def two_stream(self, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
         """Training forward of both streams: x [B, 2T, D] = clean || noisy. `ctx`: `cos`/`sin`
-        [B, T, R] (both streams share positions), `mask` [B, T, T] (clean, causal) and
-        `noisy_mask` [B, T, 2T] over clean || noisy keys."""
+        [B, T, R] (both streams share positions), `segment_ids` [B, T], `block_size`, and for the
+        reference backend the precomputed `mask` [B, T, T] (clean, causal) and `noisy_mask`
+        [B, T, 2T] over clean || noisy keys (the kernel builds its masks from the segment ids)."""
         cos2, sin2 = (jnp.concatenate([a, a], axis=1) for a in (ctx["cos"], ctx["sin"]))
         q, gate = self.project_q(x_BSD, cos2, sin2)
         k, v = self.project_kv(x_BSD, cos2, sin2)
-        t = ctx["cos"].shape[1]
-        out_c = attend(q[:, :t], k[:, :t], v[:, :t], ctx["mask"])
-        out_n = attend(q[:, t:], k, v, ctx["noisy_mask"])
+        t, seg = ctx["cos"].shape[1], ctx["segment_ids"]
+        out_c = stream_attention(q[:, :t], k[:, :t], v[:, :t], seg, stream="clean", backend=self.backend,
+                                 mask_BTS=ctx.get("mask"))
+        out_n = stream_attention(q[:, t:], k, v, seg, stream="noisy", block_size=ctx["block_size"],
+                                 backend=self.backend, mask_BTS=ctx.get("noisy_mask"))
         return self.output(jnp.concatenate([out_c, out_n], axis=1), gate)
 
     def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]) -> jax.Array:

@@ -70,6 +70,9 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     gdn_chunk_size: int = 64
     gdn_backend: Literal["auto", "pallas", "reference"] = "auto"
+    # full attention of the training streams: "splash" = the TPU splash kernel (interpreted off TPU),
+    # "reference" = dense jnp, "auto" = splash on TPU else reference (pallas_kernels.attention_dispatch)
+    attn_backend: Literal["auto", "splash", "reference"] = "auto"
     moe_impl: Literal["auto", "ragged", "blocked", "dense"] = "auto"
     moe_dispatch: Literal["ragged_a2a", "ring"] = "ragged_a2a"  # expert-parallel dispatch under a mesh
     scan_layers: bool = True
@@ -113,6 +116,10 @@ class ModelConfig:
             sizes = self.block_size
         if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ModelConfigError(f"block_size must be a positive int or a non-empty list of them, got {self.block_size!r}")
+        from pallas_kernels.attention_dispatch import ATTN_BACKENDS
+
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ModelConfigError(f"attn_backend: unknown backend {self.attn_backend!r} (known: {', '.join(ATTN_BACKENDS)})")
         from clover_jax.remat import POLICIES  # jax only; no model import
 
         if self.remat not in POLICIES:

@@ -18,6 +18,7 @@ from clover_jax.attention import causal_segment_mask, noisy_query_mask, rope_tab
 from clover_jax.config import ModelConfig
 from clover_jax.decoder import init_stack_cache, run_stack, stacked_group
 from clover_jax.nn import RMSNorm, dtype_of, make_param, normal
+from pallas_kernels.attention_dispatch import resolve_attn_backend
 from clover_jax.params import Tree, check_flat_shapes, flatten, unflatten
 
 NO_SEGMENT = -1  # segment id of cache slots / ring entries that hold no token
@@ -95,12 +96,17 @@ class CloverModel(nnx.Module):
             self.lm_head = _LMHead(cfg.hidden_size, cfg.vocab_size, rngs=rngs, param_dtype=pd)
 
     # ------------------------------------------------------------------------------------------
-    def _contexts(self, segment_ids_BT, positions_BT, q_slot_BT, k_slot_BS, k_seg_BS, ring_seg_BL, continues_B):
+    def _contexts(self, segment_ids_BT, positions_BT, q_slot_BT, k_slot_BS, k_seg_BS, ring_seg_BL, continues_B,
+                  cached: bool = True):
+        """Per-layer contexts. Without a cache (`cached=False`) a kernel backend gets the segment ids
+        instead of a dense mask."""
         cfg = self.cfg
         cos, sin = rope_tables(positions_BT, cfg.rotary_dim, cfg.rope_theta)
-        mask = causal_segment_mask(q_slot_BT, segment_ids_BT, k_slot_BS, k_seg_BS)
+        attn = {"cos": cos, "sin": sin, "segment_ids": segment_ids_BT}
+        if cached or resolve_attn_backend(cfg.attn_backend) == "reference":
+            attn["mask"] = causal_segment_mask(q_slot_BT, segment_ids_BT, k_slot_BS, k_seg_BS)
         return {
-            "attn": {"cos": cos, "sin": sin, "mask": mask},
+            "attn": attn,
             "gdn": {"segment_ids": segment_ids_BT, "ring_segment_ids": ring_seg_BL, "continues": continues_B},
             "valid": segment_ids_BT != PAD_SEGMENT,
         }
@@ -119,7 +125,7 @@ class CloverModel(nnx.Module):
         lring = self.cfg.linear_conv_kernel_dim - 1
         ring_seg = jnp.full((b, lring), NO_SEGMENT, jnp.int32)
         ctx = self._contexts(segment_ids_BT, positions_BT, slots, slots, segment_ids_BT, ring_seg,
-                             jnp.zeros((b,), bool))
+                             jnp.zeros((b,), bool), cached=False)
         x, _, aux = run_stack(self.groups, self.embed(input_ids_BT, dtype_of(self.cfg.dtype)), ctx, None,
                               scan=self.cfg.scan_layers)
         return self.final_norm(x), _reduce_aux(self.cfg, aux)
@@ -232,11 +238,13 @@ class CloverModel(nnx.Module):
         seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
         positions_BT = document_positions(seg) if positions is None else positions
         cos, sin = rope_tables(positions_BT, cfg.rotary_dim, cfg.rope_theta)
-        mask, noisy_mask = two_stream_masks(seg, bk)
+        attn_ctx = {"cos": cos, "sin": sin, "segment_ids": seg, "block_size": bk}
+        if resolve_attn_backend(cfg.attn_backend) == "reference":  # the kernel needs no dense masks
+            attn_ctx["mask"], attn_ctx["noisy_mask"] = two_stream_masks(seg, bk)
         valid = seg != PAD_SEGMENT
         ctx = {
             "stream": "two_stream",
-            "attn": {"cos": cos, "sin": sin, "mask": mask, "noisy_mask": noisy_mask},
+            "attn": attn_ctx,
             "gdn": {"segment_ids": seg, "block_size": bk, "empty_segment": NO_SEGMENT},
             "valid": jnp.concatenate([valid, valid], axis=1),
         }

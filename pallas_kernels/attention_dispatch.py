@@ -1,0 +1,61 @@
+"""Entry point of the training streams' attention core: the splash kernel or the jnp reference.
+
+Callers (the model's full-attention layer) use :func:`stream_attention` for the clean stream (and the
+AR forward without a cache) and for the noisy stream of block mode; which implementation runs is a
+backend choice, never a numerics choice (they agree to fp32 round-off). Prefill / decoding against
+a cache and the decode-side block steps call the reference ``attend`` directly (a cache-indexed mask,
+short query blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from .attention_reference import attend, clean_attention_ref, noisy_attention_ref
+from .attention_splash import Stream, splash_attention
+
+ATTN_BACKENDS = ("auto", "splash", "reference")
+
+
+def resolve_attn_backend(backend: str) -> str:
+    """"auto" -> "splash" when the default JAX backend is a TPU, else "reference" (on a CPU host an
+    AOT compile for a TPU topology therefore asks for "splash" explicitly; GPUs use the reference
+    until a flash kernel lands)."""
+    if backend not in ATTN_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {ATTN_BACKENDS}")
+    if backend == "auto":
+        return "splash" if jax.default_backend() == "tpu" else "reference"
+    return backend
+
+
+def stream_attention(
+    q_BTHD: jax.Array,
+    k_BSKD: jax.Array,
+    v_BSKD: jax.Array,
+    segment_ids_BT: jax.Array,
+    *,
+    stream: Stream,
+    block_size: int = 1,
+    backend: str = "auto",
+    mask_BTS: jax.Array | None = None,
+    interpret: bool | None = None,
+    mesh=None,
+    batch_axes: Sequence[str] | None = None,
+    head_axes: Sequence[str] | None = None,
+) -> jax.Array:
+    """Attention of one training stream (see ``splash_attention`` for shapes and the mask rules).
+
+    ``mask_BTS``: the reference's precomputed boolean mask (the model builds it once per forward, not
+    once per layer); None = built here from the segment ids. Ignored by the kernel, which needs only
+    the segment ids. Returns [B, T, H, D]."""
+    backend = resolve_attn_backend(backend)
+    if backend == "splash":
+        return splash_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
+                                interpret=interpret, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes)
+    if mask_BTS is not None:
+        return attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS)
+    if stream == "clean":
+        return clean_attention_ref(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT)
+    return noisy_attention_ref(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, block_size)

@@ -1,0 +1,180 @@
+"""The two training streams through JAX's maintained TPU splash attention kernel
+(``jax.experimental.pallas.ops.tpu.splash_attention``: forward and backward Pallas/Mosaic kernels
+that skip fully masked tiles). Nothing here writes a kernel; it states the masks and the layout.
+
+Masks (DESIGN.md 3.1), both = a static position mask AND segment-id equality (``SegmentIds``: packed
+documents never meet; pads are one more segment):
+
+- clean stream: queries [T] over clean keys [T], ``CausalMask`` (key slot <= query slot);
+- noisy stream: noisy queries [T] over keys [2T] = clean slots 0..T-1 || noisy slots T..2T-1,
+  ``NoisyBlockMask``: a clean key is visible iff it is strictly before the query's block start, a
+  noisy key iff it is in the query's block (blocks on the row grid). Splash skips the tiles where
+  this is all False, so the noisy stream costs about one more causal pass, not a dense [T, 2T] one.
+
+Layout: the model's [B, T, H, D] is moved to the kernel's [H, T, D] per row (vmapped over B); GQA
+is native (query head h reads KV head h // (H / K)). T is padded to a whole number of 128-lane tiles
+with a segment id no document uses (each pad query still sees itself, so no softmax row is empty).
+The 1/sqrt(D) scale is applied to q before the kernel (splash applies none).
+
+Platform: with ``interpret=None`` the Mosaic kernel is lowered for TPU and the Pallas interpreter
+everywhere else, chosen at lowering time (``lax.platform_dependent``), so an AOT compile for a TPU
+topology on a CPU host gets the real kernel while CPU tests run the same kernel interpreted.
+Under a multi-device mesh the kernel runs in ``shard_map`` over batch and KV-head groups
+(:mod:`pallas_kernels.gdn_sharding`); T stays whole on every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sa_mask
+from jax.sharding import PartitionSpec as P
+
+from . import gdn_sharding
+
+LANES = 128  # splash tiles are multiples of the 128-lane vreg width
+#: largest tile first: 512 x 512 tiles keep the MXU busy at head dim 256 and fit VMEM in fwd and bwd
+TILE_CHOICES = (512, 256, 128)
+#: segment id of the lane padding; documents and pads of the data pipeline use ids >= -1
+LANE_PAD_SEGMENT = -(2**30)
+
+Stream = Literal["clean", "noisy"]
+
+
+class NoisyBlockMask(sa_mask._ComputableMask):
+    """[T, 2T] static mask of noisy queries over clean || noisy keys (module docstring).
+
+    The q-side index the kernel hands to ``mask_function`` is each query's block start (``q_sequence``
+    is set to ``slot - slot % block_size``), so the in-kernel mask is three integer comparisons, no
+    division. Hashable (splash caches the mask processing by it)."""
+
+    def __init__(self, t: int, block_size: int):
+        if t % block_size:
+            raise ValueError(f"NoisyBlockMask: length {t} is not a multiple of block_size {block_size}")
+        self.t, self.block_size = int(t), int(block_size)
+
+        def noisy_block_mask(start, kv):
+            clean_ok = kv < start  # only clean keys: start <= query slot < T
+            noisy_ok = (kv >= start + self.t) & (kv < start + (self.t + self.block_size))
+            return clean_ok | noisy_ok
+
+        super().__init__(shape=(self.t, 2 * self.t), mask_function=noisy_block_mask)
+        slots = np.arange(self.t, dtype=np.int32)
+        self.q_sequence = slots - slots % self.block_size
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, NoisyBlockMask):
+            return NotImplemented
+        return (self.t, self.block_size) == (other.t, other.block_size)
+
+    def __hash__(self) -> int:
+        return hash((NoisyBlockMask, self.t, self.block_size))
+
+
+def _tile(n: int) -> int:
+    return next(b for b in TILE_CHOICES if n % b == 0)
+
+
+def block_sizes_for(tq: int, tk: int) -> sa.BlockSizes:
+    """Forward and backward tiles for lane-padded lengths (multiples of 128): the largest of
+    ``TILE_CHOICES`` that divides each. Numerics do not depend on them."""
+    bq, bk = _tile(tq), _tile(tk)
+    return sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                         block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
+
+
+def _kernel(stream: Stream, heads: int, tp: int, block_size: int, interpret: bool):
+    """The splash kernel of one stream for ``heads`` local query heads and padded length ``tp``."""
+    if stream == "clean":
+        mask, tk = sa.CausalMask((tp, tp)), tp
+    else:
+        mask, tk = NoisyBlockMask(tp, block_size), 2 * tp
+    return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=block_sizes_for(tp, tk),
+                              head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _per_device(stream: Stream, block_size: int, mode: bool | None):
+    """[B, H, Tp, D], [B, K, S, D] x2, q segments [B, Tp], kv segments [B, S] -> [B, H, Tp, D]."""
+
+    def run(q, k, v, q_seg, kv_seg, interpret: bool):
+        kernel = _kernel(stream, q.shape[1], q.shape[2], block_size, interpret)
+        one = lambda q1, k1, v1, s1, s2: kernel(q1, k1, v1, segment_ids=sa.SegmentIds(s1, s2))  # noqa: E731
+        return jax.vmap(one)(q, k, v, q_seg, kv_seg)
+
+    def call(*args):
+        if mode is not None:
+            return run(*args, interpret=mode)
+        return lax.platform_dependent(*args, tpu=lambda *a: run(*a, interpret=False),
+                                      default=lambda *a: run(*a, interpret=True))
+
+    return call
+
+
+def splash_attention(
+    q_BTHD: jax.Array,
+    k_BSKD: jax.Array,
+    v_BSKD: jax.Array,
+    segment_ids_BT: jax.Array,
+    *,
+    stream: Stream,
+    block_size: int = 1,
+    interpret: bool | None = None,
+    mesh=None,
+    batch_axes: Sequence[str] | None = None,
+    head_axes: Sequence[str] | None = None,
+) -> jax.Array:
+    """One training stream's attention core through splash.
+
+    Args:
+        q_BTHD: [B, T, H, D] rotated queries (unscaled).
+        k_BSKD, v_BSKD: [B, S, K, D] keys / values; S = T for ``stream="clean"``, S = 2T (clean slots
+            || noisy slots) for ``stream="noisy"``. H must be a multiple of K.
+        segment_ids_BT: [B, T] int document ids of the row (the noisy slots share them).
+        block_size: the noisy stream's row-grid block (T must be a multiple); unused for "clean".
+        interpret: None = Mosaic on TPU, the interpreter elsewhere; True / False force one.
+        mesh, batch_axes, head_axes: as for the GDN kernels (``pallas_kernels.gdn_sharding``); heads
+            are split in KV groups, so the head axes must divide K.
+
+    Returns:
+        [B, T, H, D] in q's dtype (softmax statistics and accumulation are fp32 inside the kernel).
+    """
+    b, t, h, d = q_BTHD.shape
+    s, kv = k_BSKD.shape[1], k_BSKD.shape[2]
+    if stream not in ("clean", "noisy"):
+        raise ValueError(f"splash_attention: stream must be 'clean' or 'noisy', got {stream!r}")
+    if h % kv:
+        raise ValueError(f"splash_attention: {h} query heads are not a multiple of {kv} KV heads")
+    if s != (t if stream == "clean" else 2 * t):
+        raise ValueError(f"splash_attention: {stream} stream with {t} queries needs "
+                         f"{t if stream == 'clean' else 2 * t} keys, got k {k_BSKD.shape}")
+    if stream == "noisy" and t % block_size:
+        raise ValueError(f"splash_attention: length {t} is not a multiple of block_size {block_size}")
+    if segment_ids_BT.shape != (b, t):
+        raise ValueError(f"splash_attention: segment_ids {segment_ids_BT.shape} must be [B, T] = {(b, t)}")
+    tp = -(-t // LANES) * LANES
+    pad_t = lambda x, fill=0: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2),  # noqa: E731
+                                      constant_values=fill)
+    seg = pad_t(segment_ids_BT.astype(jnp.int32), LANE_PAD_SEGMENT)
+    if stream == "clean":
+        k, v, kv_seg = pad_t(k_BSKD), pad_t(v_BSKD), seg
+    else:  # pad each half, so the clean / noisy split of the keys stays at the padded length
+        halves = lambda x: jnp.concatenate([pad_t(x[:, :t]), pad_t(x[:, t:])], axis=1)  # noqa: E731
+        k, v, kv_seg = halves(k_BSKD), halves(v_BSKD), jnp.concatenate([seg, seg], axis=1)
+    q = pad_t(q_BTHD * jnp.asarray(d ** -0.5, q_BTHD.dtype))
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, H, D] <-> [B, H, T, D]
+    args = (heads_first(q), heads_first(k.astype(q.dtype)), heads_first(v.astype(q.dtype)), seg, kv_seg)
+    core = _per_device(stream, block_size if stream == "noisy" else 1, interpret)
+    mesh = gdn_sharding.active_mesh(mesh)
+    if mesh is None:
+        out = core(*args)
+    else:
+        b_axes, h_axes = gdn_sharding.gdn_mesh_axes(mesh, b, kv, batch_axes, head_axes)
+        heads, rows = P(b_axes, h_axes), P(b_axes)
+        out = gdn_sharding.run_sharded(core, mesh, (heads, heads, heads, rows, rows), heads, *args)
+    return heads_first(out)[:, :t]
