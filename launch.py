@@ -88,7 +88,7 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
     from clover_jax.yaml_config import ConfigError, apply_overrides, from_tree
     from sft.config import load_sft_config, model_config_from
     from sft.recipe import SFTSetup, sharded_abstract_state
-    from train.aot import CompileConfig, active_params, compile_plan, topology_mesh
+    from train.aot import CompileConfig, active_params, compile_plan, topology_mesh, tpu_kernels
     from train.optimizer import build_optimizer
 
     comp = [o for o in overrides if o.split("=", 1)[0].startswith("compile.")]
@@ -107,8 +107,7 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
         print(f"note: model.init_from {init} is not an HF dir here: using "
               f"{cfg.model.preset or 'the Qwen3.6-35B-A3B defaults'} for the architecture", flush=True)
     mcfg = model_config_from(cfg.model, base).replace(param_dtype=cfg.train.param_dtype)
-    if mcfg.gdn_backend == "auto":
-        mcfg = mcfg.replace(gdn_backend="pallas")  # the TPU kernels ("auto" means the jnp reference here)
+    mcfg = tpu_kernels(mcfg)  # the TPU kernels ("auto" means the jnp reference on this CPU host)
     if mcfg.mask_token_id is None:
         mcfg = mcfg.replace(mask_token_id=min(QWEN_TOKENIZER_SIZE, mcfg.vocab_size - 1))
     rows, mb, t = cfg.data.batch_size, cfg.train.micro_batches, cfg.data.seq_len
@@ -122,7 +121,8 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
     plans = []
     for topo_name in topologies or [ccfg.topology]:
         print(f"compiling the SFT train step of {path} for {topo_name} ({rows} rows x {t} tokens, {mb} "
-              f"micro-batches, block {bk}, remat {policy}, GDN {mcfg.gdn_backend}) ...", flush=True)
+              f"micro-batches, block {bk}, remat {policy}, GDN {mcfg.gdn_backend}, attention {mcfg.attn_backend}) ...",
+              flush=True)
         topo, mesh = topology_mesh(topo_name, cfg.mesh)
         p_sh, state_sh, state = sharded_abstract_state(model, optimizer, mesh, cfg.train)
         b_sh = sh.batch_sharding(mesh, shape=(rows, t))

@@ -24,13 +24,37 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import gdn_block_math as bm
 from . import gdn_chunk_math as cm
-from .gdn_pallas_calls import AUX, KernelConfig, _dims, _gpu_params, _tpu_params
+from .cost import spec
+from .gdn_pallas_calls import AUX, KernelConfig, _dims, _gpu_params, _tpu_params, sweep_cost
 
 f32 = jnp.float32
 
 
 def _is_block_start(n, r: int):
     return lax.rem(n, r) == 0   # rem, not %: jnp's % lowers through sign, which Mosaic lacks here
+
+
+# ------------------------------------------------------------------------------------ cost estimates
+
+def readout_forward_step(qn, kn, vn, auxn, S, *, cfg):
+    """One noisy block's readout (forward), as the kernels run it at the block's first chunk."""
+    return bm.block_readout_forward(qn, kn, vn, auxn, S, scale=cfg.scale, mm=cfg.mm())
+
+
+def readout_backward_step(qn, kn, vn, auxn, S, dOn, *, cfg):
+    return bm.block_readout_backward(qn, kn, vn, auxn, S, dOn, scale=cfg.scale, mm=cfg.mm())
+
+
+def _readouts(cfg: KernelConfig, qn, vn, dims, r: int, backward: bool):
+    """The (step, tiles, static, count) of the B*H*NV*(N/r) block readouts."""
+    B, Tp, H, K, V, C, N, W, NV = dims
+    Bk = C * r
+    specs = (spec((Bk, K), qn.dtype), spec((Bk, K), qn.dtype), spec((Bk, W), vn.dtype), spec((AUX, Bk), f32),
+             spec((K, W), f32))
+    step = readout_forward_step
+    if backward:
+        specs, step = specs + (spec((Bk, W), vn.dtype),), readout_backward_step
+    return ((step, specs, (("cfg", cfg),), B * H * NV * (N // r)),)
 
 
 # ------------------------------------------------------------------------------------------ forward
@@ -87,10 +111,13 @@ def _fwd_kernel_gpu(q_ref, k_ref, v_ref, aux_ref, s0_ref, qn_ref, kn_ref, vn_ref
 def block_forward_call(q, k, v, aux, s0, qn, kn, vn, auxn, *, cfg: KernelConfig, r: int, form: str, interpret: bool):
     """Fused forward. Returns (final [B,H,K,V] fp32, o [B,T,H*V], on [B,T,H*V] in v's dtype)."""
     gpu = form == "gpu"
-    B, Tp, H, K, V, C, N, W, NV = _dims(q, v, aux, cfg, gpu)
+    dims = _dims(q, v, aux, cfg, gpu)
+    B, Tp, H, K, V, C, N, W, NV = dims
     Bk = C * r
     out_shape = [jax.ShapeDtypeStruct((B, H, K, V), f32), jax.ShapeDtypeStruct((B, Tp, H * V), v.dtype),
                  jax.ShapeDtypeStruct((B, Tp, H * V), vn.dtype)]
+    cost = sweep_cost(cfg, q, v, dims, (q, k, v, aux, s0, qn, kn, vn, auxn), out_shape, backward=False,
+                      extra_steps=_readouts(cfg, qn, vn, dims, r, backward=False))
     if not gpu:
         qk = pl.BlockSpec((None, C, K), lambda b, h, j, n: (b, n, h))
         vw = pl.BlockSpec((None, C, W), lambda b, h, j, n: (b, n, h * NV + j))
@@ -102,7 +129,8 @@ def block_forward_call(q, k, v, aux, s0, qn, kn, vn, auxn, *, cfg: KernelConfig,
         call = pl.pallas_call(
             functools.partial(_fwd_kernel_tpu, cfg=cfg, r=r), out_shape=out_shape, grid=(B, H, NV, N),
             in_specs=in_specs, out_specs=[kw, vw, nvw], scratch_shapes=[pltpu.VMEM((K, W), f32)],
-            compiler_params=_tpu_params(3), interpret=interpret, name="gdn_block_fwd")
+            compiler_params=_tpu_params(3), interpret=interpret, name="gdn_block_fwd",
+            cost_estimate=cost)
     else:
         qk = pl.BlockSpec((None, Tp, K), lambda b, h, j: (b, 0, h))
         vw = pl.BlockSpec((None, Tp, W), lambda b, h, j: (b, 0, h * NV + j))
@@ -112,7 +140,8 @@ def block_forward_call(q, k, v, aux, s0, qn, kn, vn, auxn, *, cfg: KernelConfig,
         call = pl.pallas_call(
             functools.partial(_fwd_kernel_gpu, cfg=cfg, r=r, n_chunks=N), out_shape=out_shape, grid=(B, H, NV),
             in_specs=in_specs, out_specs=[kw, vw, vw],
-            compiler_params=None if interpret else _gpu_params(cfg), interpret=interpret, name="gdn_block_fwd")
+            compiler_params=None if interpret else _gpu_params(cfg), interpret=interpret, name="gdn_block_fwd",
+            cost_estimate=cost)
     return call(q, k, v, aux, s0, qn, kn, vn, auxn)
 
 
@@ -190,13 +219,16 @@ def block_backward_call(q, k, v, aux, states, dO, dfinal, qn, kn, vn, auxn, dOn,
     ds0 [B,H,K,V], dqn, dkn [NV,B,T,H*K], dvn [B,T,H*V], dauxn [NV,B,H,NB,AUX,Bk]); the NV-leading
     ones are value-block partial sums (in q's dtype if NV == 1, else fp32)."""
     gpu = form == "gpu"
-    B, Tp, H, K, V, C, N, W, NV = _dims(q, v, aux, cfg, gpu)
+    dims = _dims(q, v, aux, cfg, gpu)
+    B, Tp, H, K, V, C, N, W, NV = dims
     Bk = C * r
     dqk = q.dtype if NV == 1 else f32
     part_k = jax.ShapeDtypeStruct((NV, B, Tp, H * K), dqk)
     out_shape = [part_k, part_k, jax.ShapeDtypeStruct((B, Tp, H * V), v.dtype), jax.ShapeDtypeStruct((NV,) + aux.shape, f32),
                  jax.ShapeDtypeStruct((B, H, K, V), f32), part_k, part_k, jax.ShapeDtypeStruct((B, Tp, H * V), vn.dtype),
                  jax.ShapeDtypeStruct((NV,) + auxn.shape, f32)]
+    cost = sweep_cost(cfg, q, v, dims, (q, k, v, aux, states, dO, dfinal, qn, kn, vn, auxn, dOn), out_shape,
+                      backward=True, extra_steps=_readouts(cfg, qn, vn, dims, r, backward=True))
     if not gpu:
         rev = lambda n: N - 1 - n  # noqa: E731
         qk = pl.BlockSpec((None, C, K), lambda b, h, j, n: (b, rev(n), h))
@@ -217,7 +249,8 @@ def block_backward_call(q, k, v, aux, states, dO, dfinal, qn, kn, vn, auxn, dOn,
         call = pl.pallas_call(
             functools.partial(_bwd_kernel_tpu, cfg=cfg, r=r), out_shape=out_shape, grid=(B, H, NV, N),
             in_specs=in_specs, out_specs=out_specs, scratch_shapes=[pltpu.VMEM((K, W), f32)],
-            compiler_params=_tpu_params(3), interpret=interpret, name="gdn_block_bwd")
+            compiler_params=_tpu_params(3), interpret=interpret, name="gdn_block_bwd",
+            cost_estimate=cost)
     else:
         qk = pl.BlockSpec((None, Tp, K), lambda b, h, j: (b, 0, h))
         vw = pl.BlockSpec((None, Tp, W), lambda b, h, j: (b, 0, h * NV + j))
@@ -232,5 +265,6 @@ def block_backward_call(q, k, v, aux, states, dO, dfinal, qn, kn, vn, auxn, dOn,
         call = pl.pallas_call(
             functools.partial(_bwd_kernel_gpu, cfg=cfg, r=r, n_chunks=N), out_shape=out_shape, grid=(B, H, NV),
             in_specs=in_specs, out_specs=out_specs,
-            compiler_params=None if interpret else _gpu_params(cfg), interpret=interpret, name="gdn_block_bwd")
+            compiler_params=None if interpret else _gpu_params(cfg), interpret=interpret, name="gdn_block_bwd",
+            cost_estimate=cost)
     return call(q, k, v, aux, states, dO, dfinal, qn, kn, vn, auxn, dOn)

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import gdn_chunk_math as cm
+from .cost import grid_estimate, spec
 
 AUX = cm.AUX_WIDTH
 f32 = jnp.float32
@@ -71,6 +72,35 @@ def _gpu_params(cfg: KernelConfig):
     from jax.experimental.pallas import triton as plgpu
     params = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
     return params(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# ------------------------------------------------------------------------------------ cost estimates
+
+def chunk_forward_step(q, k, v, aux, S, *, cfg):
+    """One grid step of the forward sweep (the per-chunk math the kernels run)."""
+    return cm.chunk_forward(q, k, v, aux, S, scale=cfg.scale, mm=cfg.mm())
+
+
+def chunk_backward_step(q, k, v, aux, S, dO, dS, *, cfg):
+    """One grid step of the reverse sweep."""
+    return cm.chunk_backward(q, k, v, aux, S, dO, dS, scale=cfg.scale, mm=cfg.mm())
+
+
+def chunk_specs(q, v, C: int, K: int, W: int) -> tuple:
+    """Per-step tiles q, k [C, K], v [C, W], aux [AUX, C], state [K, W] (for the step cost)."""
+    return (spec((C, K), q.dtype), spec((C, K), q.dtype), spec((C, W), v.dtype), spec((AUX, C), f32),
+            spec((K, W), f32))
+
+
+def sweep_cost(cfg: KernelConfig, q, v, dims, operands, results, backward: bool, extra_steps=()):
+    """CostEstimate of a forward / reverse sweep over B*H*NV*N chunk steps (plus ``extra_steps``)."""
+    B, Tp, H, K, V, C, N, W, NV = dims
+    specs = chunk_specs(q, v, C, K, W)
+    step = chunk_forward_step
+    if backward:
+        specs, step = specs + (spec((C, W), v.dtype), spec((K, W), f32)), chunk_backward_step
+    steps = [(step, specs, (("cfg", cfg),), B * H * NV * N), *extra_steps]
+    return grid_estimate(steps, operands, results)
 
 
 # ------------------------------------------------------------------------------------------ forward
@@ -137,12 +167,14 @@ def forward_call(q, k, v, aux, s0, *, cfg: KernelConfig, form: str, interpret: b
     """Forward sweep. Returns (final [B,H,K,V] fp32, o [B,Tp,H*V] in v's dtype if with_o,
     states [B,H,N*K,V] fp32 if with_states)."""
     gpu = form == "gpu"
-    B, Tp, H, K, V, C, N, W, NV = _dims(q, v, aux, cfg, gpu)
+    dims = _dims(q, v, aux, cfg, gpu)
+    B, Tp, H, K, V, C, N, W, NV = dims
     out_shape = [jax.ShapeDtypeStruct((B, H, K, V), f32)]
     if with_o:
         out_shape.append(jax.ShapeDtypeStruct((B, Tp, H * V), v.dtype))
     if with_states:
         out_shape.append(jax.ShapeDtypeStruct((B, H, N * K, V), f32))
+    cost = sweep_cost(cfg, q, v, dims, (q, k, v, aux, s0), out_shape, backward=False)
 
     if not gpu:
         qk_spec = pl.BlockSpec((None, C, K), lambda b, h, j, n: (b, n, h))
@@ -159,7 +191,7 @@ def forward_call(q, k, v, aux, s0, *, cfg: KernelConfig, form: str, interpret: b
         call = pl.pallas_call(
             kernel, out_shape=out_shape, grid=(B, H, NV, N), in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((K, W), f32)], compiler_params=_tpu_params(3),
-            interpret=interpret, name="gdn_chunk_fwd")
+            interpret=interpret, name="gdn_chunk_fwd", cost_estimate=cost)
     else:
         qk_spec = pl.BlockSpec((None, Tp, K), lambda b, h, j: (b, 0, h))
         vw_spec = pl.BlockSpec((None, Tp, W), lambda b, h, j: (b, 0, h * NV + j))
@@ -176,7 +208,7 @@ def forward_call(q, k, v, aux, s0, *, cfg: KernelConfig, form: str, interpret: b
         call = pl.pallas_call(
             kernel, out_shape=out_shape, grid=(B, H, NV), in_specs=in_specs, out_specs=out_specs,
             compiler_params=None if interpret else _gpu_params(cfg), interpret=interpret,
-            name="gdn_chunk_fwd")
+            name="gdn_chunk_fwd", cost_estimate=cost)
     return call(q, k, v, aux, s0)
 
 
@@ -229,7 +261,8 @@ def backward_call(q, k, v, aux, states, dO, dfinal, *, cfg: KernelConfig, form: 
     dv [B,Tp,H*V], daux [NV,B,H,N,AUX,C], ds0 [B,H,K,V]); dq, dk, daux to be summed over NV.
     dq, dk are in q's dtype if NV == 1 else fp32; dv in v's dtype; daux, ds0 fp32."""
     gpu = form == "gpu"
-    B, Tp, H, K, V, C, N, W, NV = _dims(q, v, aux, cfg, gpu)
+    dims = _dims(q, v, aux, cfg, gpu)
+    B, Tp, H, K, V, C, N, W, NV = dims
     # With one value block a token's dq / dk are complete after its chunk step: store them in the
     # input dtype (halves the backward's largest buffers for bf16); partial sums stay fp32.
     dqk_dtype = q.dtype if NV == 1 else f32
@@ -237,6 +270,7 @@ def backward_call(q, k, v, aux, states, dO, dfinal, *, cfg: KernelConfig, form: 
                  jax.ShapeDtypeStruct((NV, B, Tp, H * K), dqk_dtype),
                  jax.ShapeDtypeStruct((B, Tp, H * V), v.dtype), jax.ShapeDtypeStruct((NV,) + aux.shape, f32),
                  jax.ShapeDtypeStruct((B, H, K, V), f32)]
+    cost = sweep_cost(cfg, q, v, dims, (q, k, v, aux, states, dO, dfinal), out_shape, backward=True)
     if not gpu:
         rev = lambda n: N - 1 - n  # noqa: E731  the sweep runs from the last chunk to the first
         qk_spec = pl.BlockSpec((None, C, K), lambda b, h, j, n: (b, rev(n), h))
@@ -253,7 +287,7 @@ def backward_call(q, k, v, aux, states, dO, dfinal, *, cfg: KernelConfig, form: 
         call = pl.pallas_call(
             functools.partial(_bwd_kernel_tpu, cfg=cfg), out_shape=out_shape, grid=(B, H, NV, N),
             in_specs=in_specs, out_specs=out_specs, scratch_shapes=[pltpu.VMEM((K, W), f32)],
-            compiler_params=_tpu_params(3), interpret=interpret, name="gdn_chunk_bwd")
+            compiler_params=_tpu_params(3), interpret=interpret, name="gdn_chunk_bwd", cost_estimate=cost)
     else:
         qk_spec = pl.BlockSpec((None, Tp, K), lambda b, h, j: (b, 0, h))
         vw_spec = pl.BlockSpec((None, Tp, W), lambda b, h, j: (b, 0, h * NV + j))
@@ -270,5 +304,5 @@ def backward_call(q, k, v, aux, states, dO, dfinal, *, cfg: KernelConfig, form: 
             functools.partial(_bwd_kernel_gpu, cfg=cfg, n_chunks=N), out_shape=out_shape,
             grid=(B, H, NV), in_specs=in_specs, out_specs=out_specs,
             compiler_params=None if interpret else _gpu_params(cfg), interpret=interpret,
-            name="gdn_chunk_bwd")
+            name="gdn_chunk_bwd", cost_estimate=cost)
     return call(q, k, v, aux, states, dO, dfinal)

@@ -11,8 +11,9 @@ passes the real SFT step of a recipe: two-stream forward + masked-diffusion loss
 optimizer, with its gradient accumulation), and `plan(model_cfg, mesh_cfg, compile_cfg)` builds and
 measures `ar_train_step`, a generic stand-in on the clean stream only: next-token CE through
 `model.hidden_states` + `model.logits` in token chunks (the [B, T, V] logits never exist), plus the
-MoE load-balancing loss, adamw update. GDN layers compile with the Pallas (Mosaic) kernels: a model
-config with `gdn_backend: auto` is switched to `pallas` (on this CPU host auto means the reference).
+MoE load-balancing loss, adamw update. GDN and attention layers compile with the Pallas (Mosaic)
+kernels: `gdn_backend` / `attn_backend: auto` become `pallas` / `splash` (`tpu_kernels`; on this CPU
+host auto means the references).
 """
 
 from __future__ import annotations
@@ -283,6 +284,16 @@ def active_params(cfg: ModelConfig) -> int:
     return param_count(cfg) - routed + routed * cfg.num_experts_per_tok // cfg.num_experts
 
 
+def tpu_kernels(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with its "auto" kernel backends set to the TPU kernels (Pallas GDN, splash attention):
+    on this CPU host "auto" would pick the jnp references, which a TPU never runs."""
+    if cfg.gdn_backend == "auto":
+        cfg = cfg.replace(gdn_backend="pallas")
+    if cfg.attn_backend == "auto":
+        cfg = cfg.replace(attn_backend="splash")
+    return cfg
+
+
 def topology_mesh(topology: str, mesh_cfg: sharding.MeshConfig,
                   devices: list[Any] | None = None) -> tuple[Topology, jax.sharding.Mesh]:
     """The slice and the mesh of `mesh_cfg` over its (compile-only) devices."""
@@ -341,8 +352,7 @@ def plan(cfg: ModelConfig, mesh_cfg: sharding.MeshConfig, ccfg: CompileConfig, *
     shards = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert"))
     b = shards if ccfg.micro_batch == -1 else ccfg.micro_batch
     cfg = cfg.replace(param_dtype="float32")  # fp32 master weights; compute in cfg.dtype
-    if cfg.gdn_backend == "auto":
-        cfg = cfg.replace(gdn_backend="pallas")  # TPU kernels; "auto" would pick the jnp reference on this CPU host
+    cfg = tpu_kernels(cfg)
     model = abstract_model(cfg)
     graphdef, _ = nnx.split(model)
     tx = tx or optax.adamw(1e-5, weight_decay=0.1)
@@ -406,4 +416,4 @@ def describe(plans: list[MemoryPlan]) -> str:
 
 __all__ = ["CompileConfig", "MemoryPlan", "PlanError", "Topology", "active_params", "ar_batch_shapes",
            "ar_train_step", "check", "chunked_ce", "compile_plan", "describe", "parse_topology", "plan",
-           "topology_devices", "topology_mesh"]
+           "topology_devices", "topology_mesh", "tpu_kernels"]
