@@ -99,13 +99,43 @@ def _kernel(stream: Stream, heads: int, tp: int, block_size: int, interpret: boo
                               head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
+def _at_default_precision(f, q, k, v, q_seg, kv_seg):
+    """``f(q, k, v, q_seg, kv_seg)`` with its forward and its backward kernels traced at DEFAULT
+    matmul precision: splash's dots take the global precision, and Mosaic rejects an fp32
+    contraction of bf16 operands (a global ``jax_default_matmul_precision="highest"``, as the tests
+    set, would ask for one). The backward is traced when the cotangent arrives, so it is wrapped too."""
+    default = lambda: jax.default_matmul_precision("default")  # noqa: E731
+
+    @jax.custom_vjp
+    def call(q, k, v, q_seg, kv_seg):
+        with default():
+            return f(q, k, v, q_seg, kv_seg)
+
+    def fwd(q, k, v, q_seg, kv_seg):
+        with default():
+            out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, q_seg, kv_seg), q, k, v)
+        return out, vjp
+
+    def bwd(vjp, g):
+        with default():
+            return (*vjp(g), None, None)
+
+    call.defvjp(fwd, bwd)
+    return call(q, k, v, q_seg, kv_seg)
+
+
 def _per_device(stream: Stream, block_size: int, mode: bool | None):
     """[B, H, Tp, D], [B, K, S, D] x2, q segments [B, Tp], kv segments [B, S] -> [B, H, Tp, D]."""
 
     def run(q, k, v, q_seg, kv_seg, interpret: bool):
-        kernel = _kernel(stream, q.shape[1], q.shape[2], block_size, interpret)
-        one = lambda q1, k1, v1, s1, s2: kernel(q1, k1, v1, segment_ids=sa.SegmentIds(s1, s2))  # noqa: E731
-        return jax.vmap(one)(q, k, v, q_seg, kv_seg)
+        def rows(q, k, v, q_seg, kv_seg):  # the kernel (its mask tables) is built inside every trace
+            kernel = _kernel(stream, q.shape[1], q.shape[2], block_size, interpret)
+            one = lambda q1, k1, v1, s1, s2: kernel(q1, k1, v1, segment_ids=sa.SegmentIds(s1, s2))  # noqa: E731
+            return jax.vmap(one)(q, k, v, q_seg, kv_seg)
+
+        if q.dtype == jnp.float32:  # fp32 keeps the caller's precision (HIGHEST in the parity tests)
+            return rows(q, k, v, q_seg, kv_seg)
+        return _at_default_precision(rows, q, k, v, q_seg, kv_seg)
 
     def call(*args):
         if mode is not None:

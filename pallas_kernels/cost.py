@@ -4,9 +4,9 @@ step counts the kernels (a Mosaic / Triton custom call without one counts as zer
 A kernel here is a grid of identical steps that each run one function of per-step tiles (the
 chunk math of :mod:`pallas_kernels.gdn_chunk_math`, the block readouts of
 :mod:`pallas_kernels.gdn_block_math`). Its cost is computed from shapes, not measured: the per-step
-function is lowered once for the tile shapes (plain jnp, no Pallas; cached by shapes) and XLA's HLO
-cost analysis of that step (dot FLOPs 2mnk, elementwise ops, exp / log as transcendentals) is
-multiplied by the number of times the grid runs it. Bytes accessed: every operand and result once
+function is traced once for the tile shapes (plain jnp, no Pallas; cached by shapes), its jaxpr is
+counted the way XLA's HLO cost analysis counts (dot FLOPs 2mnk, one per elementwise output, exp /
+log as transcendentals), and that is multiplied by the number of times the grid runs the step. Bytes accessed: every operand and result once
 (the tiles are streamed through fast memory once per kernel).
 """
 
@@ -23,15 +23,45 @@ from jax.experimental import pallas as pl
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype name) of one per-step operand
 
 
+_TRANSCENDENTAL = {"exp", "exp2", "log", "log1p", "tanh", "logistic", "rsqrt", "sqrt", "pow", "sin", "cos", "erf"}
+_FREE = {"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "convert_element_type", "transpose", "slice",
+         "iota", "concatenate", "pad", "copy", "dynamic_slice", "dynamic_update_slice", "gather"}
+
+
+def _jaxpr_cost(jaxpr) -> tuple[float, float]:
+    """(flops, transcendentals) of a jaxpr, counted as XLA's HLO cost analysis does: 2mnk per dot,
+    one per output element of an elementwise op, one per input element of a reduction; layout ops
+    free; sub-jaxprs (pjit, custom_jvp, ...) recursed into."""
+    flops = trans = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        subs = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+        if subs:
+            for sub in subs:
+                f, t = _jaxpr_cost(getattr(sub, "jaxpr", sub))
+                flops, trans = flops + f, trans + t
+            continue
+        out = sum(math.prod(v.aval.shape) for v in eqn.outvars)
+        if name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            flops += 2.0 * out * math.prod(lhs[d] for d in lc)
+        elif name.startswith("reduce_") or name in ("argmax", "argmin"):
+            flops += math.prod(eqn.invars[0].aval.shape)
+        elif name not in _FREE:
+            flops += out
+            trans += out if name in _TRANSCENDENTAL else 0
+    return flops, trans
+
+
 @functools.lru_cache(maxsize=512)
 def step_cost(fn: Callable, specs: tuple[Spec, ...], static: tuple[tuple[str, object], ...] = ()) -> tuple[float, float]:
-    """(flops, transcendentals) of one call ``fn(*operands, **dict(static))`` on operands of ``specs``
-    (XLA HLO cost analysis of its unoptimised lowering; ``fn`` a module-level function and ``static``
-    hashable keywords, so the cache hits across layers and calls)."""
+    """(flops, transcendentals) of one call ``fn(*operands, **dict(static))`` on operands of
+    ``specs``, from its jaxpr (traced, not compiled: this runs while the caller's step is being traced,
+    whatever its mesh or target). ``fn`` a module-level function and ``static`` hashable keywords, so
+    the cache hits across layers and calls."""
     args = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in specs]
-    cost = jax.jit(functools.partial(fn, **dict(static))).lower(*args).cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost.get("flops", 0.0)), float(cost.get("transcendentals", 0.0))
+    return _jaxpr_cost(jax.make_jaxpr(functools.partial(fn, **dict(static)))(*args).jaxpr)
 
 
 def spec(shape: Sequence[int], dtype) -> Spec:

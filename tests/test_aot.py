@@ -142,6 +142,8 @@ def test_compile_plans_the_recipe_sft_step_for_a_small_slice():
     # kernel (JAX's own transpose would be a dense masked product over all local experts)
     assert "ragged-all-to-all" in hlo and "ragged-dot" in hlo and "tgmm" in hlo
     assert "gdn_block_fwd" in hlo and "gdn_block_bwd" in hlo
+    # both streams' attention through the splash kernels, forward and backward (attn_backend auto -> splash)
+    assert "splash_mha_fwd" in hlo and "splash_mha_dkv" in hlo and "splash_mha_dq" in hlo
     # XLA's count leaves out the Pallas/Mosaic kernels, so it is only bounded above by the model
     assert 0 < p.flops_per_chip * p.topology.chips < 4 * p.model_flops
     assert "fits" in p.table() and "SFT step" in p.table()

@@ -1,0 +1,60 @@
+"""Cost estimates of the Pallas kernels (`pallas_kernels.cost`): what XLA's cost analysis of a program
+compiled for a TPU (AOT through libtpu on this CPU host) counts for the GDN kernels, against a hand
+count of the matmuls of the chunk algorithm (gdn_chunk_math) and of the block readouts
+(gdn_block_math). Without the estimates XLA counts a Mosaic call as zero FLOPs."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import block_gated_delta_rule_pallas, chunk_gated_delta_rule_pallas
+from train.aot import parse_topology, topology_devices
+
+B, T, H, K, V, C, BK = 1, 512, 2, 128, 128, 64, 128
+
+
+def _chunk_forward_matmul_flops() -> float:
+    """2mnk of every dot one chunk step runs: G = k k^T, the triangular inverse (2 dots of C^3 per
+    doubling), k S, T R, q k^T, q S, P delta, (eout k)^T delta."""
+    per_chunk = (2 * C * C * K + 2 * math.ceil(math.log2(C)) * 2 * C ** 3 + 2 * C * K * V + 2 * C * C * V
+                 + 2 * C * C * K + 2 * C * K * V + 2 * C * C * V + 2 * C * K * V)
+    return B * H * (T // C) * per_chunk
+
+
+def _readout_forward_matmul_flops() -> float:
+    """Per noisy block: qn kn^T, P vn, qn S."""
+    return B * H * (T // BK) * (2 * BK * BK * K + 2 * BK * BK * V + 2 * BK * K * V)
+
+
+def _tpu_flops(fn, *args) -> float:
+    dev = topology_devices(parse_topology("v5p-8"))[0]
+    sh = jax.sharding.SingleDeviceSharding(dev)
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a in args]
+    cost = jax.jit(fn).lower(*specs).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+
+def test_gdn_kernels_report_their_flops_to_xla():
+    """The TPU-compiled forward of the causal and of the fused block kernel: XLA's FLOPs are the
+    matmul count plus at most 10% (the elementwise work of the chunk math)."""
+    bf = jnp.bfloat16
+    q = jax.ShapeDtypeStruct((B, T, H, K), bf)
+    v = jax.ShapeDtypeStruct((B, T, H, V), bf)
+    g = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
+    scal = jax.ShapeDtypeStruct((H, 3), jnp.float32)
+
+    def causal(q, k, v, g, b):
+        return chunk_gated_delta_rule_pallas(q, k, v, g, b, chunk_size=C)[0]
+
+    def block(q, k, v, g, b, qn, kn, vn, s):
+        return block_gated_delta_rule_pallas(q, k, v, g, b, qn, kn, vn, s, block_size=BK, chunk_size=C)[:2]
+
+    got = _tpu_flops(causal, q, q, v, g, g)
+    want = _chunk_forward_matmul_flops()
+    assert want <= got <= 1.1 * want, (got, want)
+    got = _tpu_flops(block, q, q, v, g, g, q, q, v, scal)
+    want = _chunk_forward_matmul_flops() + _readout_forward_matmul_flops()
+    assert want <= got <= 1.1 * want, (got, want)
+    assert np.isfinite(got)
