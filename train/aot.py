@@ -182,8 +182,9 @@ class MemoryPlan:
             row("generated code", self.code_bytes),
             row("total", self.total_bytes) + ("   fits" if self.fits else "   DOES NOT FIT")
             + ("" if self.compiled else " (the TPU compiler refused it: temporaries from its error)"),
-            (f"  FLOPs/step per chip {self.flops_per_chip:.3e} (XLA cost analysis, which leaves out Pallas/Mosaic "
-             f"kernels: ragged dots, tgmm, GDN; x{self.topology.chips} chips = "
+            (f"  FLOPs/step per chip {self.flops_per_chip:.3e} (XLA cost analysis: it counts each while body "
+             f"once, i.e. one layer group of one micro-batch, and not the splash attention kernels; "
+             f"x{self.topology.chips} chips = "
              f"{self.flops_per_chip * self.topology.chips:.3e}) vs 6*N_active*tokens {self.model_flops:.3e}"
              if self.compiled else f"  FLOPs/step: n/a (not compiled); 6*N_active*tokens {self.model_flops:.3e}"),
         ]
