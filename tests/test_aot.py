@@ -150,12 +150,13 @@ def test_compile_plans_the_recipe_sft_step_for_a_small_slice():
 
 
 def test_cli_reports_a_step_that_does_not_fit(capsys):
-    """Full attention over 32k tokens x 4 rows per chip of a 16 GiB v5e chip: the planner says it
-    does not fit, how much it needs, and what to try; the CLI exits 1."""
+    """Dense full attention (the jnp reference: splash would fit) over 32k tokens x 4 rows per chip of
+    a 16 GiB v5e chip: the planner says it does not fit, how much it needs, and what to try; the CLI
+    exits 1."""
     import launch
 
     rc = launch.main(["compile", "--topology", "v5litepod-4", "model.preset=tiny", "model.num_hidden_layers=2",
-                      "model.layer_types=[full_attention,full_attention]", "model.dtype=bfloat16",
+                      "model.layer_types=[full_attention,full_attention]", "model.dtype=bfloat16", "model.attn_backend=reference",
                       "compile.seq_len=32768", "compile.micro_batch=16", "compile.remat=none", "mesh.fsdp=4"])
     err = capsys.readouterr().err
     assert rc == 1, err
