@@ -296,6 +296,7 @@ def prepare(cfg: SFTConfig) -> SFTSetup:
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} must be a multiple of {align} (lcm of data.block_align "
                           f"{cfg.data.block_align} and model.block_size {mcfg.block_size})")
     data = SFTData(replace(cfg.data, block_align=align), _tokenizers(cfg, tok_dir))
+    data.check_renders()  # a template that refuses every record fails here, not after the compile
     devices = jax.devices()[: cfg.devices] if cfg.devices else jax.devices()
     if cfg.devices and len(devices) < cfg.devices:
         raise ConfigError(f"devices: {cfg.devices} requested, {len(devices)} available")
