@@ -244,7 +244,9 @@ class PackedBatchIterator(grain.DatasetIterator):
     # ------------------------------------------------------------------ logging
     def stats(self) -> dict[str, Any]:
         """Per-source counters (load time + packing so far) and totals, for logging."""
-        sources = {n: {**self._load_stats.get(n, {}), **self._counts[n]} for n in self._names}
+        sources = {n: {**self._load_stats.get(n, {}), **self._counts[n],
+                       "first_render_bad": str(h.first_bad) if h.first_bad is not None else None}
+                   for n, h in zip(self._names, self._health)}
         t = dict(self._totals)
         cells = max(1, (t["rows"]) * self._cfg.seq_len)
         t["pad_fraction"] = t["pad_tokens"] / cells
