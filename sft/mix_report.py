@@ -160,10 +160,11 @@ def render_samples(rep: MixReport, tok: Any, names: list[str], markup: bool) -> 
     return "\n".join(lines)
 
 
-def run_data(cfg: SFTConfig, batches: int, show: int, out: TextIO = sys.stdout) -> int:
-    """`launch.py data`: open, draw, print (module docstring)."""
+def run_data(cfg: SFTConfig, batches: int, show: int, out: TextIO | None = None) -> int:
+    """`launch.py data`: open, draw, print (module docstring) to `out` (default: sys.stdout)."""
     from rich.console import Console
 
+    out = out or sys.stdout
     t0 = time.perf_counter()
     data = open_mix(cfg)
     opened = time.perf_counter() - t0
