@@ -46,6 +46,9 @@ from train.config import CheckpointConfig, LoggingConfig, OptimizerConfig, Train
 __all__ = ["DATA_README", "EvalConfig", "ExportConfig", "ModelSpec", "SFTConfig", "check_data_root", "load_sft_config",
            "model_config_from"]
 
+#: `datasets` builders that read local files: their `hf.data_files` resolve against data_root
+LOCAL_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
+
 #: where a user learns how to fetch the agent mix (named in data_root errors)
 DATA_README = 'README.md, section "Getting the data"'
 
@@ -169,7 +172,8 @@ def _resolve_sources(data: dict[str, Any], root: Path | None) -> dict[str, Any]:
             if isinstance(s.get("path"), str):
                 s["path"] = join(s["path"])
             hf = s.get("hf")
-            if isinstance(hf, dict) and isinstance(hf.get("data_files"), (str, list)):
+            # a hub dataset's data_files are paths inside its repository: only local builders' join
+            if isinstance(hf, dict) and hf.get("path") in LOCAL_BUILDERS and isinstance(hf.get("data_files"), (str, list)):
                 files = hf["data_files"]
                 hf = {**hf, "data_files": join(files) if isinstance(files, str) else [join(f) for f in files]}
                 s["hf"] = hf
