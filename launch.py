@@ -9,6 +9,9 @@
               on this machine; per-chip memory vs HBM (exit 1 when it does not fit)
     generate  --checkpoint DIR (--prompt T | --prompts F.jsonl | --prompt-ids 1,2) [--out F.json] [decode.k=v]
               block-diffusion (or AR / self-speculative) decoding with stats; streams finished blocks
+    data      --config F [--batches N] [--show K] [k=v ...]   inspect an SFT mix without training: per
+              source records read/kept/bad/filtered, documents, tokens, loss tokens, drawn share vs
+              weight, padding, pieces per row, overlong splits; --show K prints K packed rows
     calibrate --config F [k=v ...]          block size x threshold (x calibration x sub-block) sweeps:
               CSV, JSON, PNG plots, Pareto front; masked-token loss per block size; learned scalars
 """
@@ -23,6 +26,9 @@ import time
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# transformers' import-time advice "PyTorch was not found. Models won't be available ...": this
+# runtime needs only its tokenizers and chat templates (no torch), so the advice misleads a user
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 PENDING: dict[str, str] = {}
 
@@ -188,7 +194,6 @@ EXIT_PREEMPTED = 143
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from sft.config import load_sft_config
-    from sft.data.records import DataError
     from sft.recipe import run_sft
     from train.checkpoint import CheckpointError as TrainCheckpointError
 
@@ -197,10 +202,19 @@ def cmd_sft(args: argparse.Namespace) -> int:
     try:
         cfg = load_sft_config(args.config, args.overrides)
         res = run_sft(cfg)
-    except (DataError, TrainCheckpointError) as e:
+    except TrainCheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return EXIT_PREEMPTED if res.preempted else 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from sft.config import load_sft_config
+    from sft.mix_report import run_data
+
+    if args.batches < 1 or args.show < 0:
+        raise SystemExit(f"launch.py data: --batches must be >= 1 and --show >= 0 (got {args.batches}, {args.show})")
+    return run_data(load_sft_config(args.config, args.overrides), args.batches, args.show)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -241,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="YAML recipe (configs/agent_mix.yaml, configs/sft_tiny.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 data.batch_size=4")
     p.set_defaults(fn=cmd_sft)
+
+    p = sub.add_parser("data", help="inspect an SFT mix without training (per-source table, --show packed rows)")
+    p.add_argument("--config", required=True, help="YAML recipe (configs/agent_mix.yaml data_root=DIR)")
+    p.add_argument("--batches", type=int, default=1, help="training batches to draw and measure (default 1)")
+    p.add_argument("--show", type=int, default=0, metavar="K",
+                   help="print the first K packed rows with the trained (loss-masked) spans highlighted")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data_root=/mnt/agent-data data.seq_len=4096")
+    p.set_defaults(fn=cmd_data)
 
     p = sub.add_parser("demo", help="embedded default job: tiny Qwen3.6-shaped convert/export round trip")
     p.add_argument("--config", default=None, help="YAML run config (configs/demo.yaml)")
@@ -308,12 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown and args.fn is not cmd_pending:
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     _setup_logging(args.verbose)
+    from clover_jax.config import ModelConfigError
+    from clover_jax.input_file import InputFileError
     from clover_jax.safetensors_io import CheckpointError
     from clover_jax.yaml_config import ConfigError
-    from clover_jax.config import ModelConfigError
 
     try:
         return args.fn(args)
+    except InputFileError as e:  # a record of a user's file (prompts, eval set, SFT data): file:line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except FileExistsError as e:
         print(f"error: {e} (pass --overwrite to replace it)", file=sys.stderr)
         return 1

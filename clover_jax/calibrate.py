@@ -35,6 +35,7 @@ from flax import nnx
 
 from clover_jax import decoding_eval as ev
 from clover_jax.decoding import DecodeConfig, DecodeError, Decoder, jsonl_lines, resolve_eos_ids
+from clover_jax.input_file import InputFileError, render_chat
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,9 @@ class EvalExample:
     expects_call: bool
 
 
-def eval_records(cfg: EvalSetConfig) -> list[dict[str, Any]]:
+def eval_records(cfg: EvalSetConfig, locations: list[str] | None = None) -> list[dict[str, Any]]:
+    """The eval records; `locations`, when given, gets each one's `file:line` (for errors)."""
+    locs = locations if locations is not None else []
     if cfg.source == "synthetic":
         from sft.data.synthetic import generate_record
 
@@ -117,6 +120,7 @@ def eval_records(cfg: EvalSetConfig) -> list[dict[str, Any]]:
             if cfg.tool_calls_only and not ev.reference_calls(ev.split_record(rec)[1]):
                 continue
             out.append(rec)
+            locs.append(f"synthetic eval record {i - 1}")
         return out
     if not cfg.path:
         raise DecodeError("eval.path: required with eval.source=jsonl")
@@ -125,25 +129,28 @@ def eval_records(cfg: EvalSetConfig) -> list[dict[str, Any]]:
         try:
             _, answer, _ = ev.split_record(rec)
         except ValueError as e:
-            raise DecodeError(f"{p}:{n}: {e}") from None
+            raise InputFileError(f"{p}:{n}: {e}") from None
         if answer is None or (cfg.tool_calls_only and not ev.reference_calls(answer)):
             continue
         out.append(rec)
+        locs.append(f"{p}:{n}")
         if len(out) >= cfg.n:
             break
     return out
 
 
-def build_examples(tok, records: list[dict[str, Any]]) -> list[EvalExample]:
+def build_examples(tok, records: list[dict[str, Any]], locations: list[str] | None = None) -> list[EvalExample]:
     """Prompt ids (rendered up to the first assistant turn) and the reference turn's ids (to its
-    closing `<|im_end|>`)."""
+    closing `<|im_end|>`). A record the chat template refuses is an InputFileError naming its
+    `locations` entry."""
     out = []
-    for rec in records:
+    for i, rec in enumerate(records):
         prompt, answer, tools = ev.split_record(rec)
         if answer is None:
             continue
-        p_text = tok.apply_chat_template(prompt, tools=tools or None, tokenize=False, add_generation_prompt=True)
-        full = tok.apply_chat_template(prompt + [answer], tools=tools or None, tokenize=False)
+        where = locations[i] if locations else f"eval record {i}"
+        p_text = render_chat(tok, where, prompt, tools, add_generation_prompt=True)
+        full = render_chat(tok, where, prompt + [answer], tools)
         target = full[len(p_text):] if full.startswith(p_text) else ""
         end = target.find("<|im_end|>")
         target = target[: end + len("<|im_end|>")] if end >= 0 else target
@@ -335,7 +342,9 @@ def run_calibrate(cfg: CalibrateConfig) -> int:
         raise DecodeError(f"{cfg.checkpoint}: calibrate needs the checkpoint's tokenizer to render the eval set")
     if mcfg.mode != "block" or mcfg.mask_token_id is None:
         raise DecodeError(f"{cfg.checkpoint}: calibrate needs a block-diffusion checkpoint with a mask token")
-    examples = build_examples(tok, eval_records(cfg.eval))
+    locations: list[str] = []
+    records = eval_records(cfg.eval, locations)
+    examples = build_examples(tok, records, locations)
     if not examples:
         raise DecodeError("calibrate: the eval set is empty")
     eos = resolve_eos_ids(cfg.decode, mcfg, tok)

@@ -65,7 +65,9 @@ def jsonl_lines(path: str | Path, what: str) -> Iterator[tuple[Path, int, Any]]:
         try:
             yield p, n, json.loads(line)
         except json.JSONDecodeError as e:
-            raise DecodeError(f"{p}:{n}: not valid JSON ({e})") from None
+            from clover_jax.input_file import InputFileError
+
+            raise InputFileError(f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 from clover_jax.decoding import DecodeConfig, DecodeError, Decoder, Generation, jsonl_lines, resolve_eos_ids
 from clover_jax.decoding_eval import split_record
+from clover_jax.input_file import InputFileError, render_chat
 
 
 def load_checkpoint(path: str | Path, **runtime: Any):
@@ -62,13 +63,13 @@ def _find_tokenizer(cfg, dirs: Sequence[Path]):
     return None
 
 
-def render_messages(tok, messages: list[dict], tools: list[dict] | None) -> list[int]:
-    text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+def render_messages(tok, messages: list[dict], tools: list[dict] | None, where: str = "--prompt") -> list[int]:
+    text = render_chat(tok, where, messages, tools, add_generation_prompt=True)
     return tok.encode(text, add_special_tokens=False)
 
 
 def read_prompts_file(path: str | Path, tok) -> list[tuple[str, list[int], dict[str, Any]]]:
-    """(display prompt, ids, record) per line of a JSONL file; errors name the line."""
+    """(display prompt, ids, record) per line of a JSONL file; errors (InputFileError) name the line."""
     out = []
     for p, n, rec in jsonl_lines(path, "prompts file"):
         if tok is None:
@@ -77,13 +78,12 @@ def read_prompts_file(path: str | Path, tok) -> list[tuple[str, list[int], dict[
             try:
                 msgs, _, tools = split_record(rec)
             except ValueError as e:
-                raise DecodeError(f"{p}:{n}: {e}") from None
-            text = tok.apply_chat_template(msgs, tools=tools or None, tokenize=False, add_generation_prompt=True)
+                raise InputFileError(f"{p}:{n}: {e}") from None
+            text = render_chat(tok, f"{p}:{n}", msgs, tools, add_generation_prompt=True)
         elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-            text = tok.apply_chat_template([{"role": "user", "content": rec["prompt"]}], tokenize=False,
-                                           add_generation_prompt=True)
+            text = render_chat(tok, f"{p}:{n}", [{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True)
         else:
-            raise DecodeError(f"{p}:{n}: expected a chat record with 'messages' or an object with a 'prompt' string")
+            raise InputFileError(f"{p}:{n}: expected a chat record with 'messages' or an object with a 'prompt' string")
         out.append((text, tok.encode(text, add_special_tokens=False), rec))
     if not out:
         raise DecodeError(f"{p}: no prompts in the file")

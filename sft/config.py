@@ -6,7 +6,9 @@ bad types fail naming the key):
     model:      init_from (HF dir or Orbax params checkpoint) | preset (random init), plus any
                 ModelConfig field as an override (mode, block_size, dtype, mask_token_id, ...)
     data:       sft.data.DataConfig (sources, seq_len, batch_size, eval_fraction, ...)
-    data_root:  where relative source paths live (itself relative to the config file's directory)
+    data_root:  where relative source paths (and `hf.data_files`) live: a user setting, relative to the
+                working directory (`~` and `$VARS` expanded), e.g. `data_root=/mnt/agent-data`;
+                `check_data_root` says which source is missing and points to README "Getting the data"
     noise:      sft.noise.NoiseConfig          loss:  sft.loss.LossConfig
     eval:       EvalConfig (held-out masked-token loss at fixed noise levels)
     train, optimizer, checkpoint, logging:     the train.config sections
@@ -27,6 +29,8 @@ the block-diffusion model, so `mode` defaults to (and must be) ``block``.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -39,7 +43,14 @@ from sft.loss import LossConfig
 from sft.noise import NoiseConfig
 from train.config import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainConfig, TrainerConfig
 
-__all__ = ["EvalConfig", "ExportConfig", "ModelSpec", "SFTConfig", "load_sft_config", "model_config_from"]
+__all__ = ["DATA_README", "EvalConfig", "ExportConfig", "ModelSpec", "SFTConfig", "check_data_root", "load_sft_config",
+           "model_config_from"]
+
+#: `datasets` builders that read local files: their `hf.data_files` resolve against data_root
+LOCAL_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
+
+#: where a user learns how to fetch the agent mix (named in data_root errors)
+DATA_README = 'README.md, section "Getting the data"'
 
 _SPEC_KEYS = ("init_from", "preset", "generate_missing", "seed")
 
@@ -161,7 +172,8 @@ def _resolve_sources(data: dict[str, Any], root: Path | None) -> dict[str, Any]:
             if isinstance(s.get("path"), str):
                 s["path"] = join(s["path"])
             hf = s.get("hf")
-            if isinstance(hf, dict) and isinstance(hf.get("data_files"), (str, list)):
+            # a hub dataset's data_files are paths inside its repository: only local builders' join
+            if isinstance(hf, dict) and hf.get("path") in LOCAL_BUILDERS and isinstance(hf.get("data_files"), (str, list)):
                 files = hf["data_files"]
                 hf = {**hf, "data_files": join(files) if isinstance(files, str) else [join(f) for f in files]}
                 s["hf"] = hf
@@ -180,8 +192,7 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
     if root is not None:
         if not isinstance(root, str):
             raise ConfigError(f"{where}: data_root: expected a path string, got {root!r}")
-        base = Path(path).resolve().parent if path is not None else Path.cwd()
-        root_path = Path(root) if Path(root).is_absolute() else (base / root).resolve()
+        root_path = Path(os.path.expandvars(os.path.expanduser(root))).resolve()
         tree["data_root"] = str(root_path)
         if isinstance(tree.get("data"), dict):
             tree["data"] = _resolve_sources(tree["data"], root_path)
@@ -198,6 +209,31 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
         raise ConfigError(f"{where}: model.generate_missing needs both model.init_from and model.preset")
     model_config_from(cfg.model, None)  # type-check the overrides now, not after loading 70 GB
     return cfg
+
+
+def check_data_root(cfg: SFTConfig) -> None:
+    """ConfigError naming every source whose files under `data_root` are missing (a path that does
+    not exist, a glob that matches nothing), the data_root itself when it is missing, and the README
+    section that says how to fetch them. Sources outside data_root are left to the source loader."""
+    if cfg.data_root is None:
+        return
+    root = Path(cfg.data_root)
+    missing = []
+    for s in cfg.data.sources:
+        files = [s.path] if s.path is not None else []
+        hf = (s.hf or {}).get("data_files")
+        files += [hf] if isinstance(hf, str) else list(hf) if isinstance(hf, (list, tuple)) else []
+        for f in files:
+            if not Path(f).is_relative_to(root):
+                continue
+            if not (glob.glob(f, recursive=True) if glob.has_magic(f) else Path(f).exists()):
+                missing.append(f"{s.name} ({Path(f).relative_to(root)})")
+    if not missing:
+        return
+    what = (f"data_root {root} does not exist" if not root.is_dir()
+            else f"data_root {root} lacks the files of {len(missing)} source(s)")
+    raise ConfigError(f"{what}: {', '.join(missing)}. Point data_root at your copy of the data "
+                      f"(data_root=/path/to/agent-data) or fetch it as {DATA_README} says")
 
 
 def model_config_from(spec: ModelSpec, base: ModelConfig | None) -> ModelConfig:

@@ -41,14 +41,14 @@ from clover_jax import sharding as sh
 from clover_jax.config import ModelConfig
 from clover_jax.model import abstract_model, check_block_aligned, create_model, model_from_params, model_to_params
 from clover_jax.yaml_config import ConfigError, to_tree
-from sft.config import SFTConfig, model_config_from
+from sft.config import SFTConfig, check_data_root, model_config_from
 from sft.data import SFTData, block_align_for
 from sft.loss import make_sft_loss
 from sft.noise import draw_block_size
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SFTResult", "SFTSetup", "loss_summary", "prepare", "run_sft"]
+__all__ = ["SFTResult", "SFTSetup", "loss_summary", "open_data", "prepare", "run_sft"]
 
 #: bf16 dense peak FLOP/s per chip by `device_kind` prefix (vendor numbers); else measured.
 KNOWN_PEAKS = {"TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12,
@@ -283,19 +283,29 @@ def sharded_abstract_state(model: nnx.Module, optimizer: Any, mesh: Mesh, train_
     return p_sh, state_sh, abstract_state
 
 
-def prepare(cfg: SFTConfig) -> SFTSetup:
-    """Steps 1-4 of the module docstring (no weights read, nothing trained)."""
-    from train.optimizer import build_optimizer
-
-    kind, path, ck_cfg, tok_dir = _source(cfg)
-    mcfg = model_config_from(cfg.model, ck_cfg)
-    mcfg = mcfg.replace(param_dtype=cfg.train.param_dtype)
-    mcfg = resolve_mask_token(mcfg, cfg, tok_dir)
+def open_data(cfg: SFTConfig, mcfg: ModelConfig, tok_dir: Path | None) -> SFTData:
+    """The recipe's data: `cfg.data` packed at `block_align` = lcm(data.block_align, the model's block
+    sizes), tokenised with `_tokenizers`; every source checked to render (`SFTData.check_renders`),
+    so a template that refuses every record fails here, before any compile."""
     align = math.lcm(cfg.data.block_align, block_align_for(mcfg.block_size))
     if cfg.data.seq_len % align:
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} must be a multiple of {align} (lcm of data.block_align "
                           f"{cfg.data.block_align} and model.block_size {mcfg.block_size})")
     data = SFTData(replace(cfg.data, block_align=align), _tokenizers(cfg, tok_dir))
+    data.check_renders()
+    return data
+
+
+def prepare(cfg: SFTConfig) -> SFTSetup:
+    """Steps 1-4 of the module docstring (no weights read, nothing trained)."""
+    from train.optimizer import build_optimizer
+
+    check_data_root(cfg)  # before the init checkpoint is read or written
+    kind, path, ck_cfg, tok_dir = _source(cfg)
+    mcfg = model_config_from(cfg.model, ck_cfg)
+    mcfg = mcfg.replace(param_dtype=cfg.train.param_dtype)
+    mcfg = resolve_mask_token(mcfg, cfg, tok_dir)
+    data = open_data(cfg, mcfg, tok_dir)
     devices = jax.devices()[: cfg.devices] if cfg.devices else jax.devices()
     if cfg.devices and len(devices) < cfg.devices:
         raise ConfigError(f"devices: {cfg.devices} requested, {len(devices)} available")

@@ -31,9 +31,11 @@ def _trainer_config(run_dir, ckpt_dir, every, steps=STEPS, keep=3):
     )
 
 
-def _train(run_dir, ckpt_dir, every, *, sleep=0.0, kill_after_save=None, steps=STEPS, keep=3):
+def _train(run_dir, ckpt_dir, every, *, sleep=0.0, kill_after_save=None, steps=STEPS, keep=3, stall_after=None):
     """The toy run; returns the LoopResult. `kill_after_save`: SIGKILL this process right after the
-    (async) save of that step was issued, i.e. with the write most likely still in flight."""
+    (async) save of that step was issued, i.e. with the write most likely still in flight.
+    `stall_after`: the batch source advances its state past batch `stall_after` and then blocks
+    for good in a read of a pipe nobody writes (a stalled reader)."""
     from test_train_toy import ToyBatches, toy_loss, toy_params
     from train.loop import run
     from train.optimizer import build_optimizer
@@ -47,7 +49,10 @@ def _train(run_dir, ckpt_dir, every, *, sleep=0.0, kill_after_save=None, steps=S
     class SlowBatches(ToyBatches):
         def __next__(self):
             time.sleep(sleep)
-            return super().__next__()
+            out = super().__next__()
+            if stall_after is not None and self.index > stall_after:
+                os.read(os.pipe()[0], 1)  # never returns: only a signal ends it
+            return out
 
     def on_checkpoint(s, state):
         if kill_after_save is not None and s == kill_after_save:
@@ -65,11 +70,13 @@ def _worker(argv):
     p.add_argument("--every", type=int)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--kill-after-save", type=int)
+    p.add_argument("--stall-after", type=int)
     a = p.parse_args(argv)
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
-    res = _train(a.run_dir, a.ckpt_dir, a.every, sleep=a.sleep, kill_after_save=a.kill_after_save)
+    res = _train(a.run_dir, a.ckpt_dir, a.every, sleep=a.sleep, kill_after_save=a.kill_after_save,
+                 stall_after=a.stall_after)
     print(f"worker done: step={res.step} preempted={res.preempted} resumed_from={res.resumed_from}", flush=True)
 
 
@@ -159,6 +166,37 @@ def _toy_state(trainable=None):
 
     opt = build_optimizer(OptimizerConfig(trainable=trainable), 10)
     return init_train_state(toy_params(), opt), opt
+
+
+def test_sigterm_while_the_reader_is_stalled_exits_and_saves_a_consistent_checkpoint(tmp_path):
+    """The batch source advances its state past batch 5 and then blocks in a read that never
+    returns: SIGTERM still ends the run within the 30 s preemption notice, with a checkpoint of
+    step 4 whose data state is the one right after batch 4 (not the advanced live state), so a
+    resume would draw batch 5 next."""
+    proc = _spawn(tmp_path, "--every", 100, "--stall-after", 4)
+    deadline = time.time() + 120
+    while len(_records(tmp_path / "run")) < 4:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    time.sleep(0.5)  # well inside the stalled read by now
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out = proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("SIGTERM ignored while the input pipeline is stalled: " + proc.communicate()[0][-2000:])
+    assert proc.returncode == 0 and time.time() - t0 < 30, out
+    assert "SIGTERM received while waiting for data: stopped after step 4" in out and "preempted=True" in out, out
+    assert _steps_on_disk(tmp_path / "ckpt") == [4], out
+
+    from train.checkpoint import Checkpointer
+    from train.config import CheckpointConfig
+
+    ck = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ckpt")))
+    state, data, _ = ck.restore(jax.eval_shape(lambda: _toy_state()[0]))
+    ck.close()
+    assert int(state.step) == 4 and data == {"seed": 7, "index": 4}
 
 
 def test_keep_n_and_half_written_checkpoint_is_ignored(tmp_path):

@@ -8,6 +8,12 @@ SIGTERM (preemption): the handler only sets a flag; the loop finishes the step i
 checkpoint, waits for it to be final, prints a message and returns with ``preempted=True`` (the
 caller decides the exit code). With several processes the flag is agreed on by all of them every
 `train.log_every` steps (a tiny all-gather), so they save the same step.
+While the loop waits for the next batch (a slow or stalled input pipeline) the handler raises
+`DataWaitInterrupted` instead, so the wait ends at once: the state after the last finished step and
+the data state recorded right after its batch was drawn are consistent, and a single process saves
+them (several processes cannot agree on a step from inside a data wait: they exit without a save,
+the last periodic checkpoint stands). The data state is therefore read after every batch drawn
+(`data_state_fn`, cheap for the SFT iterator), not at save time.
 
 Multi-process data state: `data_state_fn` runs on every process but the checkpoint keeps one JSON
 (Orbax writes it from the primary process), so it must be the same on every process, e.g. the
@@ -16,6 +22,7 @@ global batch index of an index-based pipeline where each process reads its slice
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from dataclasses import dataclass
@@ -41,6 +48,11 @@ class LoopResult:
     resumed_from: int | None  # the checkpoint step this run started from
 
 
+class DataWaitInterrupted(BaseException):
+    """SIGTERM arrived while the loop waited for a batch. A BaseException, so that no `except
+    Exception` in a data pipeline (a renderer counting bad records, say) can swallow it."""
+
+
 class _SigtermFlag:
     """Installs a SIGTERM handler that sets a flag (main thread only; elsewhere a no-op).
 
@@ -54,6 +66,7 @@ class _SigtermFlag:
         self.sync_every = max(sync_every, 1)
         self._prev: Any = None
         self._installed = enabled and threading.current_thread() is threading.main_thread()
+        self._in_data_wait = False
 
     def __enter__(self) -> "_SigtermFlag":
         if self._installed:
@@ -62,6 +75,19 @@ class _SigtermFlag:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.flag = True
+        if self._in_data_wait:
+            self._in_data_wait = False
+            raise DataWaitInterrupted()
+
+    @contextlib.contextmanager
+    def data_wait(self) -> Iterator[None]:
+        """While inside, SIGTERM raises `DataWaitInterrupted` in the main thread (Python runs the
+        handler between bytecodes, and a blocking sleep / lock / read returns EINTR to it)."""
+        self._in_data_wait = self._installed
+        try:
+            yield
+        finally:
+            self._in_data_wait = False
 
     def __exit__(self, *exc: Any) -> None:
         if self._installed:
@@ -142,7 +168,7 @@ def run(
     log = logger or MetricsLogger(config.logging, total_steps=tc.steps, log_every=tc.log_every,
                                   run_config=run_config, flops_per_step=flops_per_step, peak_flops=peak_flops)
 
-    data_state: dict[str, Any] | None = None
+    data_state: dict[str, Any] | None = None  # restored data state, then the one after the last batch drawn
     resumed_from = ckpt.latest_step() if ckpt is not None else None
     if resumed_from is not None:
         target = abstract_state if abstract_state is not None else _abstract_state(state)
@@ -158,13 +184,14 @@ def run(
     if resumed_from is not None:
         log.message(f"resumed from checkpoint step {resumed_from} in {ckpt.directory}")
     last_saved = resumed_from
-    preempted = exhausted = False
+    preempted = exhausted = in_data_wait = False
+    track_data = ckpt is not None and data_state_fn is not None
 
     def save() -> None:
         nonlocal last_saved
         if ckpt is None or last_saved == step:
             return
-        ckpt.save(state, data_state=data_state_fn() if data_state_fn is not None else None)
+        ckpt.save(state, data_state=data_state if track_data else None)
         last_saved = step
         if on_checkpoint is not None:
             on_checkpoint(step, state)
@@ -176,11 +203,17 @@ def run(
                     preempted = True
                     break
                 try:
-                    batch = next(it)
+                    with sigterm.data_wait():
+                        batch = next(it)
                 except StopIteration:
                     exhausted = True
                     log.message(f"data exhausted after {step} steps (train.steps={tc.steps})")
                     break
+                except DataWaitInterrupted:
+                    preempted = in_data_wait = True
+                    break
+                if track_data:
+                    data_state = data_state_fn()
                 state, metrics = train_step(state, batch)
                 step += 1
                 eval_metrics = None
@@ -194,11 +227,16 @@ def run(
             else:
                 preempted = sigterm.agreed(step, final=True)
             if preempted:
-                save()
+                alone = jax.process_count() == 1
+                if alone or not in_data_wait:
+                    save()
                 if ckpt is not None:
                     ckpt.wait()
-                where = f"checkpoint step {step} saved to {ckpt.directory}" if ckpt is not None else "no checkpoint dir"
-                log.message(f"SIGTERM received: stopped after step {step}; {where}; exiting")
+                where = (f"checkpoint step {step} saved to {ckpt.directory}" if ckpt is not None and (alone or not in_data_wait)
+                         else "no checkpoint saved (several processes cannot agree on a step from a data wait)"
+                         if ckpt is not None else "no checkpoint dir")
+                during = " while waiting for data" if in_data_wait else ""
+                log.message(f"SIGTERM received{during}: stopped after step {step}; {where}; exiting")
         if not preempted and ckpt is not None and cc.save_final:
             save()
     finally:
@@ -211,4 +249,4 @@ def run(
                       resumed_from=resumed_from)
 
 
-__all__ = ["LoopResult", "run"]
+__all__ = ["DataWaitInterrupted", "LoopResult", "run"]

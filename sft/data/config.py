@@ -132,7 +132,13 @@ class DataConfig:
       (``split_turns``) or dropped (``drop``); both counted.
     - ``max_bad_fraction`` / ``on_bad``: bad records are skipped and counted (``skip``; the load
       fails when a source's bad fraction exceeds ``max_bad_fraction``, naming the first bad line)
-      or fail at once (``fail``).
+      or fail at once (``fail``). Render-time failures (a record the chat template refuses, a
+      missing template dependency) count too, over a sliding window of each source's last
+      ``bad_window`` documents: more than ``max_bad_fraction * bad_window`` failures in it stops
+      the iterator with a ``DataError`` naming the source, its first failing record and the cause.
+    - ``bad_window``: that window; also, a source whose last ``bad_window`` documents gave no
+      trainable piece (all failed, overlong-dropped or without loss tokens) stops the iterator, so
+      it can never spin forever without forming a batch.
     - ``eval_fraction``: share of each source held out for eval, chosen by a hash of the record
       content (deterministic, independent of order and seed).
     - ``think``: keep or drop assistant ``reasoning_content``.
@@ -147,6 +153,7 @@ class DataConfig:
     overlong: Literal["split_turns", "drop"] = "split_turns"
     max_bad_fraction: float = 0.01
     on_bad: Literal["skip", "fail"] = "skip"
+    bad_window: int = 1000
     eval_fraction: float = 0.0
     seed: int = 0
     shuffle: bool = True
@@ -169,6 +176,8 @@ class DataConfig:
                               f"({self.block_align}), got {self.seq_len}")
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ConfigError(f"max_bad_fraction: must be in [0, 1], got {self.max_bad_fraction}")
+        if self.bad_window < 1:
+            raise ConfigError(f"bad_window: must be >= 1, got {self.bad_window}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"eval_fraction: must be in [0, 1), got {self.eval_fraction}")
         if self.batch_size < 1:

@@ -34,12 +34,14 @@ __all__ = ["BlockPacker", "Piece", "SplitResult", "assemble_row", "empty_row", "
 @dataclass(frozen=True)
 class Piece:
     """A packable unit: ``ids`` int32 [n], ``mask`` bool [n]; ``ref`` = (doc index, piece index)
-    identifies it for iterator state; ``source`` = index of its source in the mix."""
+    identifies it for iterator state; ``source`` = index of its source in the mix; ``loc`` = its
+    record's location (``file:line``), for inspection and errors."""
 
     ids: np.ndarray
     mask: np.ndarray
     ref: tuple[int, int] = (0, 0)
     source: int = 0
+    loc: str = ""
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -59,7 +61,7 @@ def split_doc(doc: Doc, seq_len: int, mode: Literal["split_turns", "drop"],
     n = len(doc)
     if n <= seq_len:
         keep = bool(doc.loss_mask.any())
-        return SplitResult([Piece(doc.input_ids, doc.loss_mask, (doc_index, 0), doc.source)]
+        return SplitResult([Piece(doc.input_ids, doc.loss_mask, (doc_index, 0), doc.source, doc.loc)]
                            if keep else [], dropped_no_loss=0 if keep else 1)
     res = SplitResult(overlong=True)
     if mode == "drop":
@@ -80,7 +82,7 @@ def split_doc(doc: Doc, seq_len: int, mode: Literal["split_turns", "drop"],
             ids = np.concatenate([doc.input_ids[:prefix], ids])
             mask = np.concatenate([np.zeros(prefix, bool), mask])
         if mask.any():
-            res.pieces.append(Piece(ids, mask, (doc_index, k), doc.source))
+            res.pieces.append(Piece(ids, mask, (doc_index, k), doc.source, doc.loc))
         else:
             res.dropped_no_loss += 1
         cursor, k = end, k + 1

@@ -18,6 +18,11 @@ arrays ``input_ids`` int32, ``segment_ids`` int32, ``positions`` int32, ``loss_m
 [batch_size // shard_count, seq_len]. The final eval batch is completed with empty rows
 (all padding, ``segment_ids`` 0) so shapes stay static.
 
+No silent spinning: documents that fail to render are counted per source over a sliding window
+of ``data.bad_window`` documents and stop the iterator (``DataError`` naming the source, its first
+failing record and the cause) once more than ``max_bad_fraction`` of a window failed; a source
+whose last ``bad_window`` documents gave no trainable piece stops it too (``_SourceHealth``).
+
 Iterator state (``get_state()`` / ``set_state()``, JSON-serialisable, also usable through Grain's
 Orbax checkpoint handler) = the next document counter, the open and ready rows as piece
 references, and the counters; restoring re-renders the referenced documents, so the next batches
@@ -26,6 +31,7 @@ are identical to an uninterrupted run.
 
 from __future__ import annotations
 
+import collections
 import copy
 import hashlib
 from typing import Any
@@ -68,6 +74,50 @@ class _Render:
             return e
 
 
+class _SourceHealth:
+    """Per-source guard against an iterator that pulls documents forever without forming a batch.
+
+    ``window``: the last ``bad_window`` render outcomes (True = failed) and their failure count;
+    more than ``max_bad_fraction * bad_window`` failures in it raise. ``dry``: documents since the
+    source last gave a trainable piece (failed, overlong-dropped or loss-free ones all count);
+    ``bad_window`` of them in a row raise. Not part of the iterator state: after a restore the
+    window starts empty (it only decides when to give up, never what a batch holds)."""
+
+    def __init__(self, name: str, cfg: DataConfig):
+        self.name, self.cfg = name, cfg
+        self.window: collections.deque[bool] = collections.deque(maxlen=cfg.bad_window)
+        self.window_bad = 0
+        self.dry = 0
+        self.dry_first = ""  # location of the first document of the current dry run
+        self.first_bad: DataError | None = None
+
+    def record(self, failed: DataError | None, pieces: int, loc: str) -> None:
+        w = self.window
+        if len(w) == w.maxlen:
+            self.window_bad -= w[0]
+        w.append(failed is not None)
+        self.window_bad += failed is not None
+        if failed is not None:
+            self.first_bad = self.first_bad or failed
+            allowed = self.cfg.max_bad_fraction * self.cfg.bad_window
+            if self.window_bad > allowed:
+                raise DataError(None, f"source {self.name!r}: {self.window_bad} of its last {len(w)} documents "
+                                      f"failed to render (more than max_bad_fraction "
+                                      f"{self.cfg.max_bad_fraction:.2%} of a {self.cfg.bad_window}-document "
+                                      f"window); first failing record: {self.first_bad}")
+        if pieces:
+            self.dry = 0
+            return
+        self.dry_first = self.dry_first if self.dry else loc
+        self.dry += 1
+        if self.dry >= self.cfg.bad_window:
+            why = f"; first failing record: {self.first_bad}" if self.first_bad is not None else ""
+            raise DataError(None, f"source {self.name!r}: its last {self.dry} documents (from {self.dry_first}) "
+                                  f"gave no trainable piece: each failed to render, was longer than seq_len "
+                                  f"{self.cfg.seq_len} with overlong={self.cfg.overlong!r}, or had no loss "
+                                  f"token{why}")
+
+
 class PackedBatchIterator(grain.DatasetIterator):
     """Packs the documents of ``docs`` (a MapDataset of ``Doc | DataError``) into batches; see the
     module docstring. ``finite``: stop (after flushing) at ``len(docs)``."""
@@ -95,6 +145,8 @@ class PackedBatchIterator(grain.DatasetIterator):
                                    self._cfg.pack_open_rows, self._cfg.pack)
         self._ready: list[list[Piece]] = []
         self._counts = {n: dict.fromkeys(_COUNTERS, 0) for n in self._names}
+        self._health = [_SourceHealth(n, self._cfg) for n in self._names]
+        self.last_rows: list[list[Piece]] = []  # the pieces of the rows of the last batch
         self._totals = {"batches": 0, "rows": 0, "pad_tokens": 0, "empty_rows": 0}
 
     # ------------------------------------------------------------------ documents
@@ -117,8 +169,11 @@ class PackedBatchIterator(grain.DatasetIterator):
         if isinstance(doc, DataError):
             if self._cfg.on_bad == "fail":
                 raise doc
-            self._counts[self._names[getattr(doc, "source", 0)]]["render_bad"] += 1
+            source = getattr(doc, "source", 0)
+            self._counts[self._names[source]]["render_bad"] += 1
+            self._health[source].record(doc, 0, str(doc.loc))
             return True
+        self._health[doc.source].record(None, len(res.pieces), doc.loc)
         c = self._counts[self._names[doc.source]]
         c["docs"] += 1
         if res.overlong:
@@ -141,6 +196,7 @@ class PackedBatchIterator(grain.DatasetIterator):
         if not self._ready:
             raise StopIteration
         rows, self._ready = self._ready[:self._rows], self._ready[self._rows:]
+        self.last_rows = rows
         cfg = self._cfg
         arrays = [assemble_row(r, cfg.seq_len, cfg.block_align, self._pad) for r in rows]
         n_empty = self._rows - len(arrays)
@@ -188,7 +244,9 @@ class PackedBatchIterator(grain.DatasetIterator):
     # ------------------------------------------------------------------ logging
     def stats(self) -> dict[str, Any]:
         """Per-source counters (load time + packing so far) and totals, for logging."""
-        sources = {n: {**self._load_stats.get(n, {}), **self._counts[n]} for n in self._names}
+        sources = {n: {**self._load_stats.get(n, {}), **self._counts[n],
+                       "first_render_bad": str(h.first_bad) if h.first_bad is not None else None}
+                   for n, h in zip(self._names, self._health)}
         t = dict(self._totals)
         cells = max(1, (t["rows"]) * self._cfg.seq_len)
         t["pad_fraction"] = t["pad_tokens"] / cells
@@ -223,6 +281,23 @@ class SFTData:
         self.train_docs = mixed.map(render)
         eval_items = [(r, loc, i) for i, s in enumerate(self.sources) for r, loc in s.eval]
         self.eval_docs = grain.MapDataset.source(eval_items).map(render) if eval_items else None
+
+    def check_renders(self) -> None:
+        """Fail fast, before any compile: render each source's train records in file order until
+        one renders; a source whose failures reach the ``bad_window`` allowance first, or whose
+        records all fail, raises the iterator's ``DataError`` (source, first failing record, cause).
+        Costs one render per healthy source."""
+        for i, s in enumerate(self.sources):
+            health = _SourceHealth(s.config.name, self.cfg)
+            for record, loc in s.train:
+                try:
+                    self.renderer(record, source=i, loc=loc)
+                    break
+                except DataError as e:
+                    health.record(e, 1, loc)  # 1: count the failure, not a dry run
+            else:
+                raise DataError(None, f"source {s.config.name!r}: all {len(s.train)} train records failed to "
+                                      f"render; first failing record: {health.first_bad}")
 
     def load_stats(self) -> dict[str, dict]:
         return {s.config.name: s.stats.as_dict() for s in self.sources}

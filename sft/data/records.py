@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from clover_jax.input_file import InputFileError
+
 __all__ = ["ROLES", "DataError", "Loc", "normalize_record", "normalize_tool", "normalize_tool_call",
            "parse_arguments", "text_of"]
 
@@ -42,8 +44,8 @@ class Loc:
         return self.file
 
 
-class DataError(ValueError):
-    """A record (or file) that does not fit: ``str(e)`` is ``"<loc>: <reason>"``."""
+class DataError(InputFileError):
+    """A record (or file) that does not fit: ``str(e)`` is ``"<loc>: <reason>"`` (launch.py exits 2)."""
 
     def __init__(self, loc: Loc | str | None, reason: str):
         self.loc, self.reason = loc, reason
