@@ -277,6 +277,9 @@ def make_sft_loss(
     rows), acc and ce (masked-token accuracy / plain CE), ar_loss (when weighted), lb_loss,
     expert_counts [L, E].
     """
+    if noise.after_end == "pad" and end_pad_id is None:
+        raise ConfigError("noise.after_end: pad trains the slots after a response's end to predict the end pad "
+                          "token: pass end_pad_id (the recipe uses the tokenizer's pad id), or use after_end: mask")
     ce_fn = functools.partial(weighted_ce, chunk_tokens=loss.chunk_tokens)
     eval_noise = dataclasses.replace(noise, complementary=False)
 
