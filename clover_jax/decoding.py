@@ -9,9 +9,11 @@ needs no grid and right-aligns the prompts instead (all end at S0).
 
 Per block (threshold mode): a `lax.while_loop` of denoising steps (`model.block_step` on the
 canvas against the caches; commit rule of `decoding_rules.commit_mask`), then the commit pass
-(`model.extend` of the finished block). Self-speculative mode verifies the finished block against
-the commit pass's AR argmax, keeps the agreeing prefix plus the AR token at the first
-disagreement, re-masks the rest and denoises again; the caches are kept from before the block
+(`model.extend` of the finished block), whose last logits give the next block's first token
+(known before that block's first step with `first_token_commit`). The mask token and the rows at
+or above `vocab_limit` are never chosen (`decoding_rules.suppress_tokens`). Self-speculative mode
+verifies the finished block against the commit pass's AR argmax, keeps the agreeing prefix plus
+the AR token at the first disagreement, re-masks the rest and denoises again; the caches are kept from before the block
 until a commit pass whose block verifies completely, so the result is exactly AR greedy decoding.
 The host loops over blocks (one jitted call each, fixed shapes, preallocated caches), which lets it
 stream finished blocks and measure the time to the first token.
