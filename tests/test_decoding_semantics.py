@@ -77,7 +77,8 @@ def test_block_first_token_is_known_before_denoising():
         order = np.asarray(g.stats["commit_order"])
         for j in starts:
             others = ((doc_pos // k) == doc_pos[j] // k) & (np.arange(MAX_NEW) != j)
-            assert order[j] == order[others].min()  # recorded with the block's first step
+            if others.any():  # recorded with the block's first step
+                assert order[j] == order[others].min()
             assert g.token_ids[j] == ar[i, len(p) + j - 1]  # the clean argmax at s - 1 (causal: padding is after)
     assert n_starts >= 2
 
