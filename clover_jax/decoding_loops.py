@@ -244,12 +244,13 @@ class Loops:
 
         def commit_pass():  # unless no row needs another block; the recompute path has no cache
             logits, cache = self._clean_pass(model, carry, consts, d["canvas"])
-            return logits[:, -1], (carry["cache"] if self.spec.recompute else cache)
+            return logits[:, -1], cache
 
-        last, cache = lax.cond(jnp.any(cont), commit_pass,
-                               lambda: (jnp.zeros((b, sp.vocab), jnp.float32), carry["cache"]))
-        if not self.spec.recompute:
-            out["cache"] = cache
+        zeros = jnp.zeros((b, sp.vocab), jnp.float32)
+        if sp.recompute:
+            last = lax.cond(jnp.any(cont), lambda: commit_pass()[0], lambda: zeros)
+        else:
+            last, out["cache"] = lax.cond(jnp.any(cont), commit_pass, lambda: (zeros, carry["cache"]))
         out["key"], sub = jax.random.split(out["key"])
         out["next_ar"] = self._next_token(last, out["tokens"], consts, out["index"], sub)
         out["nfe"] = out["nfe"] + cont.astype(jnp.int32)
