@@ -1,5 +1,7 @@
 """Decoding benchmark on this CPU: AR greedy vs block diffusion (threshold 0.9 / 0.95 / 0.99) vs
 self-speculative, on the small tool-call model of tests/decode_fixtures.py (trained once, cached).
+Rows marked "first waits" turn `first_token_commit` off (the block's first token waits for the
+threshold like the others): the before/after of that option, in one run (same compiled programs).
 
     python bench/decode.py [--n 16] [--batch 16] [--block 32] [--max-new 64] [--repeats 2]
 
@@ -52,11 +54,14 @@ def main() -> None:
     prompts = [e[0] for e in ex]
     settings = [("AR greedy", dict(mode="ar")),
                 *[(f"threshold {t}", dict(mode="threshold", threshold=t)) for t in (0.9, 0.95, 0.99)],
-                ("self-speculative", dict(mode="self_speculative"))]
+                ("self-speculative", dict(mode="self_speculative")),
+                *[(f"threshold {t} first waits", dict(mode="threshold", threshold=t, first_token_commit=False))
+                  for t in (0.9, 0.95, 0.99)],
+                ("self-spec first waits", dict(mode="self_speculative", first_token_commit=False))]
     rows, ar_ids = [], None
     for name, kw in settings:
         dcfg = DecodeConfig(block_size=args.block, max_new_tokens=args.max_new, fast_compile=args.fast_compile, **kw)
-        dec = Decoder(model, dcfg)
+        dec = Decoder(model, dcfg, vocab_limit=len(tok))
         t0 = time.perf_counter()
         runs = [[dec.generate(prompts[i: i + args.batch]) for i in range(0, len(prompts), args.batch)]]
         compile_s = time.perf_counter() - t0
@@ -91,21 +96,26 @@ def main() -> None:
     for r in rows:
         r["speedup_vs_ar"] = ar["ms_per_token"] / r["ms_per_token"]
         r["nfe_ratio_vs_ar"] = ar["nfe"] / r["nfe"]
-    head = f"{'setting':<18}{'ms/token':>9}{'NFE':>6}{'tok/fwd':>8}{'valid':>7}{'bfcl':>6}{'AR agree':>9}" \
+    head = f"{'setting':<27}{'ms/token':>9}{'NFE':>6}{'tok/fwd':>8}{'valid':>7}{'bfcl':>6}{'AR agree':>9}" \
            f"{'speed x':>8}{'NFE x':>7}"
     print(f"\nblock {args.block}, {args.n} held-out tool-call prompts, batch {args.batch}, max_new {args.max_new}, "
           f"{jax.devices()[0].platform} ({os.cpu_count()} cores)\n{head}")
     for r in rows:
-        print(f"{r['setting']:<18}{r['ms_per_token']:>9.2f}{r['nfe']:>6}{r['tokens_per_forward']:>8.2f}"
+        print(f"{r['setting']:<27}{r['ms_per_token']:>9.2f}{r['nfe']:>6}{r['tokens_per_forward']:>8.2f}"
               f"{r['validity']:>7.2f}{r['bfcl_accuracy']:>6.2f}{r['ar_agreement']:>9.2f}"
               f"{r['speedup_vs_ar']:>8.2f}{r['nfe_ratio_vs_ar']:>7.2f}")
     th = rows[2]  # threshold 0.95, the Clover default
-    sp = rows[-1]
+    sp = rows[4]
     print(f"\nclosing note (speed x = AR ms/token / ms/token; NFE x = AR NFE / NFE): threshold 0.95 needs "
           f"{th['nfe'] / ar['nfe']:.2f}x AR's forwards ({th['tokens_per_forward']:.2f} tokens/forward) and runs at "
           f"{th['speedup_vs_ar']:.2f}x AR's per-token speed here, validity {th['validity']:.2f} vs AR "
           f"{ar['validity']:.2f}; self-speculative equals AR on {sp['ar_exact']:.0%} of the requests with "
           f"{sp['nfe'] / ar['nfe']:.2f}x AR's forwards ({sp['rejections_per_request']:.1f} rejected drafts per request).")
+    pairs = [(r, next(w for w in rows if w["setting"] == r["setting"].replace("self-speculative", "self-spec")
+                       + " first waits")) for r in rows[1:5]]
+    print("first-token commit (on vs first waits): " + "; ".join(
+        f"{a['setting']}: NFE {a['nfe']} vs {b['nfe']}, tok/fwd {a['tokens_per_forward']:.2f} vs "
+        f"{b['tokens_per_forward']:.2f}, valid {a['validity']:.2f} vs {b['validity']:.2f}" for a, b in pairs))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "checkpoint": str(ckpt), "machine": platform.platform(),

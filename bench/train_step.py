@@ -101,7 +101,7 @@ def main() -> None:
             graphdef, _ = nnx.split(model)
             if name == "sft":
                 loss = make_sft_loss(graphdef, block_size=args.block, mask_token_id=3, noise=NoiseConfig(),
-                                     loss=LossConfig(chunk_tokens=args.chunk), lb_coef=1e-3)
+                                     loss=LossConfig(chunk_tokens=args.chunk), lb_coef=1e-3, end_pad_id=4)
             else:
                 loss = ar_loss_fn(graphdef, args.chunk)
             step = make_train_step(loss, opt)

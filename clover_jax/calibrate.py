@@ -34,7 +34,8 @@ import numpy as np
 from flax import nnx
 
 from clover_jax import decoding_eval as ev
-from clover_jax.decoding import DecodeConfig, DecodeError, Decoder, jsonl_lines, resolve_eos_ids
+from clover_jax.decoding import (DecodeConfig, DecodeError, Decoder, jsonl_lines, resolve_eos_ids,
+                                 resolve_vocab_limit)
 from clover_jax.input_file import InputFileError, render_chat
 
 
@@ -177,7 +178,8 @@ def _metrics(tok, ex: EvalExample, ids: list[int], eos: Sequence[int], ar_ids: l
 def run_setting(model, tok, examples: list[EvalExample], dcfg: DecodeConfig, eos: Sequence[int],
                 batch_size: int, ar_outputs: list[list[int]] | None, history: bool) -> tuple[dict, list[dict]]:
     """Decodes every example with `dcfg`; returns (aggregate row, per-example records)."""
-    decoder = Decoder(model, dcfg.replace(history_stats=history), eos_ids=eos)
+    decoder = Decoder(model, dcfg.replace(history_stats=history), eos_ids=eos,
+                      vocab_limit=resolve_vocab_limit(dcfg, model.cfg, tok))
     gens, wall, ttft, hist = [], 0.0, [], []
     for s in range(0, len(examples), batch_size):
         out = decoder.generate([e.prompt_ids for e in examples[s: s + batch_size]])

@@ -9,9 +9,11 @@ needs no grid and right-aligns the prompts instead (all end at S0).
 
 Per block (threshold mode): a `lax.while_loop` of denoising steps (`model.block_step` on the
 canvas against the caches; commit rule of `decoding_rules.commit_mask`), then the commit pass
-(`model.extend` of the finished block). Self-speculative mode verifies the finished block against
-the commit pass's AR argmax, keeps the agreeing prefix plus the AR token at the first
-disagreement, re-masks the rest and denoises again; the caches are kept from before the block
+(`model.extend` of the finished block), whose last logits give the next block's first token
+(known before that block's first step with `first_token_commit`). The mask token and the rows at
+or above `vocab_limit` are never chosen (`decoding_rules.suppress_tokens`). Self-speculative mode
+verifies the finished block against the commit pass's AR argmax, keeps the agreeing prefix plus
+the AR token at the first disagreement, re-masks the rest and denoises again; the caches are kept from before the block
 until a commit pass whose block verifies completely, so the result is exactly AR greedy decoding.
 The host loops over blocks (one jitted call each, fixed shapes, preallocated caches), which lets it
 stream finished blocks and measure the time to the first token.
@@ -81,10 +83,18 @@ class DecodeConfig:
     `eos_tokens` looked up in the tokenizer by the caller (`resolve_eos_ids`), else the model config's
     `eos_token_id`. `recompute`: debug path without caches. `history_stats`: require the mean
     softmax share of the history unit per GDN layer (`block_step(..., return_stats=True)`; it is
-    reported whenever the model offers it). Temperature, top-k, top-p, threshold and the penalty
-    are run-time inputs of the compiled loops (changing them does not recompile); `length_bucket`
-    and `batch_bucket` round the buffer length and the batch (finished dummy rows) up, so nearby
-    request sets share compiled programs."""
+    reported whenever the model offers it). `first_token_commit` (default on): a block whose first
+    position is generated starts with that token known: with the logit shift its prediction comes
+    from the clean state before the block (the commit pass or the prefill) and no step inside the
+    block can change it, so it does not wait for the threshold (Fast-dLLM v2 does the same;
+    `decoding_loops`). It is the token the loop would commit there at temperature 0 without the
+    penalty, so it changes the order, not that token; bench/decode.py measures the effect.
+    `vocab_limit`: ids >= it (embedding rows without a token) are never chosen; None: the
+    `vocab_limit` given to `Decoder` (callers with a tokenizer pass its size), else every row. The
+    mask token is never chosen in any mode. Temperature, top-k, top-p, threshold, the penalty,
+    `first_token_commit` and `vocab_limit` are run-time inputs of the compiled loops (changing them
+    does not recompile); `length_bucket` and `batch_bucket` round the buffer length and the batch
+    (finished dummy rows) up, so nearby request sets share compiled programs."""
 
     mode: Literal["threshold", "ar", "self_speculative"] = "threshold"
     block_size: int | None = None
@@ -94,6 +104,7 @@ class DecodeConfig:
     top_k: int = 0
     top_p: float = 1.0
     sub_block_size: int | None = None
+    first_token_commit: bool = True
     repetition_penalty: float = 1.0
     alpha_scale: float = 1.0
     beta_shift: float = 0.0
@@ -102,6 +113,7 @@ class DecodeConfig:
     eos_token_ids: tuple[int, ...] | None = None
     mask_token_id: int | None = None
     pad_token_id: int | None = None
+    vocab_limit: int | None = None
     seed: int = 0
     trace: bool = False
     recompute: bool = False
@@ -138,6 +150,8 @@ class DecodeConfig:
             bad(f"length_bucket must be >= 1, got {self.length_bucket}")
         if self.batch_bucket < 1:
             bad(f"batch_bucket must be >= 1, got {self.batch_bucket}")
+        if self.vocab_limit is not None and self.vocab_limit < 1:
+            bad(f"vocab_limit must be >= 1 or null, got {self.vocab_limit}")
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
         object.__setattr__(self, "eos_tokens", tuple(self.eos_tokens))
@@ -159,6 +173,16 @@ def resolve_eos_ids(dcfg: DecodeConfig, model_cfg: Any, tokenizer: Any | None = 
         eos = model_cfg.eos_token_id
         ids = [] if eos is None else list(eos) if isinstance(eos, (tuple, list)) else [int(eos)]
     return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def resolve_vocab_limit(dcfg: DecodeConfig, model_cfg: Any, tokenizer: Any | None = None) -> int:
+    """Ids below this can be generated: `dcfg.vocab_limit`, else the tokenizer's size (rows past it
+    are padding of the embedding), else the model's vocabulary."""
+    if dcfg.vocab_limit is not None:
+        return int(dcfg.vocab_limit)
+    if tokenizer is not None:
+        return min(len(tokenizer), int(model_cfg.vocab_size))
+    return int(model_cfg.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -261,11 +285,16 @@ class Decoder:
     Compiled functions are cached by shape (batch, buffer length, block size); prompt and buffer
     lengths are rounded up to `dcfg.length_bucket` so nearby prompt sets share them."""
 
-    def __init__(self, model: CloverModel, dcfg: DecodeConfig, *, eos_ids: Sequence[int] | None = None):
+    def __init__(self, model: CloverModel, dcfg: DecodeConfig, *, eos_ids: Sequence[int] | None = None,
+                 vocab_limit: int | None = None):
         cfg = model.cfg
         self.cfg, self.dcfg = cfg, dcfg
         self.block = int(dcfg.block_size or cfg.block_sizes[0])
         self.eos_ids = tuple(eos_ids) if eos_ids is not None else resolve_eos_ids(dcfg, cfg)
+        self.vocab_limit = int(dcfg.vocab_limit or vocab_limit or cfg.vocab_size)
+        if not 0 < self.vocab_limit <= cfg.vocab_size:
+            raise DecodeError(f"decode.vocab_limit {self.vocab_limit} is outside [1, {cfg.vocab_size}] (the "
+                              "model's vocabulary)")
         self.mask_id = dcfg.mask_token_id if dcfg.mask_token_id is not None else cfg.mask_token_id
         self.pad_id = dcfg.pad_token_id if dcfg.pad_token_id is not None else (cfg.pad_token_id or 0)
         if dcfg.mode != "ar":
@@ -345,6 +374,8 @@ class Decoder:
                   "top_k": jnp.asarray(self.dcfg.top_k, jnp.int32),
                   "top_p": jnp.asarray(self.dcfg.top_p, jnp.float32),
                   "repetition_penalty": jnp.asarray(self.dcfg.repetition_penalty, jnp.float32),
+                  "first_commit": jnp.asarray(self.dcfg.first_token_commit and self.dcfg.mode != "ar"),
+                  "vocab_limit": jnp.asarray(self.vocab_limit, jnp.int32),
                   "prefill_rows": jnp.asarray((lay.left_pad < lay.prefill_len) & real)}
         carry = self._init_carry(lay, jnp.asarray(tokens))
         carry["finished"] = jnp.asarray(~real)

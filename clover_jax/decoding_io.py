@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from clover_jax.decoding import DecodeConfig, DecodeError, Decoder, Generation, jsonl_lines, resolve_eos_ids
+from clover_jax.decoding import (DecodeConfig, DecodeError, Decoder, Generation, jsonl_lines, resolve_eos_ids,
+                                 resolve_vocab_limit)
 from clover_jax.decoding_eval import split_record
 from clover_jax.input_file import InputFileError, render_chat
 
@@ -133,7 +134,7 @@ def run_generate(args: Any) -> int:
     else:
         prompts = [(text, ids) for text, ids, _ in read_prompts_file(args.prompts, tok)]
     eos = resolve_eos_ids(dcfg, cfg, tok)
-    decoder = Decoder(model, dcfg, eos_ids=eos)
+    decoder = Decoder(model, dcfg, eos_ids=eos, vocab_limit=resolve_vocab_limit(dcfg, cfg, tok))
     bs = max(1, int(args.batch_size))
     gens: list[Generation] = []
     agg: list[dict[str, Any]] = []

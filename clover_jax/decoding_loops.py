@@ -1,16 +1,25 @@
 """Device side of `clover_jax.decoding`: the jitted prefill and the per-block loops of the three modes.
 
 Every function maps (model state, carry, consts) -> carry with fixed shapes. The carry (a dict):
-`tokens` [B, S] slot buffer (pads, prompts, generated tokens; masks where a block stopped early),
+`tokens` [B, S] slot buffer (pads, prompts, generated tokens; masks where a block stopped early:
+the slots after a row's EOS),
 `index` () first slot of the next block (AR: the next token's slot), `finished` [B], per-row
 counters `nfe`, `steps`, `commits`, `blocks`, `rejections` [B], `forwards` () batch forwards,
 `commit_step` [B, S] (the row's denoising step that committed each slot, -1 none), `next_ar` [B]
-(AR argmax for the slot at `index`, from the last clean pass), `key`, and `cache` (not in
+(the token chosen for the slot at `index` from the last clean pass's logits: the AR argmax at
+temperature 0, a draw otherwise; penalised and suppressed like a step), `key`, and `cache` (not in
 recompute mode), `next_logits` [B, V] (AR mode), `hist_sum` / `hist_cnt` (history stats).
 consts: `segment_ids`, `positions` [B, S], `gen_start` [B] (first generated slot), `max_new` (),
 `threshold` (), `eos_ids` [E] (-1 padded), `temperature`, `top_k`, `top_p`, `repetition_penalty` ()
 (traced, so one program serves every sampling setting), `prefill_rows` [B] (the row has prompt
-tokens before the first block).
+tokens before the first block), `first_commit` () bool (a generated block start is known before
+the block's first step: `next_ar`), `vocab_limit` () (ids >= it are never chosen; nor the mask).
+
+First-token commit: with the logit shift a block's first position is predicted from the clean
+hidden state at s - 1 (the previous commit pass or the prefill), which no step inside the block
+changes, so its token is known before denoising starts (Fast-dLLM v2 takes the update pass's
+argmax as the next block's first token). It enters the canvas as a known token at the block's
+first step (recorded with that step in `commit_step`); the steps then condition on it.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from clover_jax.decoding_rules import choose_tokens, commit_mask, first_index, repetition_penalty, seen_tokens
+from clover_jax.decoding_rules import (choose_tokens, commit_mask, first_index, repetition_penalty, seen_tokens,
+                                      suppress_tokens)
 from clover_jax.model import PAD_SEGMENT
 
 Carry = dict[str, Any]
@@ -83,10 +93,18 @@ class Loops:
         valid = (consts["segment_ids"] != PAD_SEGMENT) & (jnp.arange(s)[None] < upto)
         return seen_tokens(tokens_BS, valid, self.spec.vocab)
 
-    @staticmethod
-    def _choose(logits: jax.Array, key: jax.Array, consts: Carry) -> tuple[jax.Array, jax.Array]:
+    def _choose(self, logits: jax.Array, key: jax.Array, consts: Carry) -> tuple[jax.Array, jax.Array]:
+        """(token, confidence) from penalised logits, the never-chosen ids suppressed first."""
+        logits = suppress_tokens(logits, consts["vocab_limit"], self.spec.mask_id)
         return choose_tokens(logits, key, temperature=consts["temperature"], top_k=consts["top_k"],
                              top_p=consts["top_p"])
+
+    def _next_token(self, last_BV: jax.Array, tokens_BS: jax.Array, consts: Carry, upto: jax.Array,
+                    key: jax.Array) -> jax.Array:
+        """`next_ar` [B]: the token for slot `upto` from the clean logits at `upto - 1` [B, V], with
+        the penalty over the document's slots < `upto`."""
+        pen = repetition_penalty(last_BV, self._seen(tokens_BS, consts, upto), consts["repetition_penalty"])
+        return self._choose(pen, key, consts)[0]
 
     def _denoise_logits(self, model, carry: Carry, consts: Carry, canvas: jax.Array):
         """One block-mode forward of `canvas` [B, K] at slots [index, index + K) -> (logits [B,K,V],
@@ -115,12 +133,17 @@ class Loops:
 
     def _block_setup(self, carry: Carry, consts: Carry):
         """(needed [B, K]: generated positions inside the budget of unfinished rows, prev tokens,
-        starting canvas with the known prompt tail and masks elsewhere)."""
+        starting canvas with the known prompt tail, the first token when `first_commit` and the
+        block starts on a generated position (module docstring), masks elsewhere, its cstep)."""
         k, idx = self.spec.block, carry["index"]
         g = idx + jnp.arange(k)[None] - consts["gen_start"][:, None]
         needed = (g >= 0) & (g < consts["max_new"]) & ~carry["finished"][:, None]
         prev = self._blk(carry["tokens"], idx)
-        return needed, prev, jnp.where(g >= 0, self.spec.mask_id, prev)
+        canvas = jnp.where(g >= 0, self.spec.mask_id, prev)
+        first = (jnp.arange(k)[None] == 0) & needed & consts["first_commit"]
+        cstep = self._blk(carry["commit_step"], idx)
+        canvas = jnp.where(first, carry["next_ar"][:, None], canvas)
+        return needed, prev, canvas, jnp.where(first, carry["steps"][:, None] + 1, cstep)
 
     def _denoise(self, model, carry: Carry, consts: Carry, canvas: jax.Array, needed: jax.Array,
                  cstep: jax.Array) -> Carry:
@@ -170,7 +193,8 @@ class Loops:
         idx, k = carry["index"], self.spec.block
         written = needed & (canvas != self.spec.mask_id)
         out = dict(carry)
-        out["tokens"] = self._put(carry["tokens"], jnp.where(written, canvas, prev), idx)
+        # needed slots still masked (after the row's EOS) keep the mask, which `_extract` cuts at
+        out["tokens"] = self._put(carry["tokens"], jnp.where(needed, canvas, prev), idx)
         out["commit_step"] = self._put(carry["commit_step"],
                                        jnp.where(written, cstep, self._blk(carry["commit_step"], idx)), idx)
         fin_eos = jnp.any(needed & self._is_eos(canvas, consts), axis=-1)
@@ -200,9 +224,8 @@ class Loops:
                                                 positions=consts["positions"][:, :s0],
                                                 segment_ids=consts["segment_ids"][:, :s0])
             last = logits[:, -1]
-        seen = self._seen(carry["tokens"], consts, jnp.asarray(s0))
-        pen = repetition_penalty(last, seen, consts["repetition_penalty"])
-        out["next_ar"] = jnp.argmax(pen, axis=-1).astype(jnp.int32)
+        out["key"], sub = jax.random.split(carry["key"])
+        out["next_ar"] = self._next_token(last, carry["tokens"], consts, jnp.asarray(s0), sub)
         if self.spec.mode == "ar":
             out["next_logits"] = last
         out["nfe"] = carry["nfe"] + consts["prefill_rows"].astype(jnp.int32)
@@ -211,15 +234,25 @@ class Loops:
 
     # -- threshold mode -------------------------------------------------------------------------
     def threshold_block(self, state, carry: Carry, consts: Carry) -> Carry:
+        sp = self.spec
         model = nnx.merge(self.graphdef, state)
-        needed, prev, canvas = self._block_setup(carry, consts)
-        d = self._denoise(model, carry, consts, canvas, needed, self._blk(carry["commit_step"], carry["index"]))
+        needed, prev, canvas, cstep = self._block_setup(carry, consts)
+        d = self._denoise(model, carry, consts, canvas, needed, cstep)
         out = self._finish_block(self._with_counters(carry, d), consts, needed, prev, d["canvas"], d["cstep"])
         cont = ~out["finished"]
-        if not self.spec.recompute:  # the commit pass, unless no row needs another block
-            out["cache"] = lax.cond(jnp.any(cont),
-                                    lambda: self._clean_pass(model, carry, consts, d["canvas"])[1],
-                                    lambda: carry["cache"])
+        b = canvas.shape[0]
+
+        def commit_pass():  # unless no row needs another block; the recompute path has no cache
+            logits, cache = self._clean_pass(model, carry, consts, d["canvas"])
+            return logits[:, -1], cache
+
+        zeros = jnp.zeros((b, sp.vocab), jnp.float32)
+        if sp.recompute:
+            last = lax.cond(jnp.any(cont), lambda: commit_pass()[0], lambda: zeros)
+        else:
+            last, out["cache"] = lax.cond(jnp.any(cont), commit_pass, lambda: (zeros, carry["cache"]))
+        out["key"], sub = jax.random.split(out["key"])
+        out["next_ar"] = self._next_token(last, out["tokens"], consts, out["index"], sub)
         out["nfe"] = out["nfe"] + cont.astype(jnp.int32)
         out["commits"] = carry["commits"] + cont.astype(jnp.int32)
         out["forwards"] = out["forwards"] + jnp.any(cont).astype(jnp.int32)
@@ -232,13 +265,15 @@ class Loops:
         row, so it never holds a rejected token."""
         sp, k = self.spec, self.spec.block
         model = nnx.merge(self.graphdef, state)
-        needed, prev, canvas0 = self._block_setup(carry, consts)
+        needed, prev, canvas0, cstep0 = self._block_setup(carry, consts)
         base_seen = self._seen(carry["tokens"], consts, carry["index"])
         pos_K = jnp.arange(k)[None]
 
         def ar_predictions(ar_logits, canvas):
             """pred [B, K]: AR greedy token at each block position given the canvas before it;
             and the prediction for the slot after the block [B]."""
+            ar_logits = suppress_tokens(ar_logits, consts["vocab_limit"], sp.mask_id)
+
             def penalised():
                 oh = jax.nn.one_hot(canvas, sp.vocab, dtype=jnp.int32) * (canvas != sp.mask_id)[..., None]
                 seen_j = base_seen[:, None] | (jnp.cumsum(oh, axis=1) > 0)  # tokens through position j
@@ -279,7 +314,7 @@ class Loops:
                 out["cache"] = jax.tree.map(lambda a, b: jnp.where(all_ok, a, b), new_cache, r["cache"])
             return out
 
-        init = {"canvas": canvas0, "cstep": self._blk(carry["commit_step"], carry["index"]),
+        init = {"canvas": canvas0, "cstep": cstep0,
                 "verified": carry["finished"], "round": jnp.zeros((), jnp.int32),
                 "steps": carry["steps"], "nfe": carry["nfe"], "forwards": carry["forwards"], "key": carry["key"],
                 "commits": carry["commits"], "rejections": carry["rejections"], "next_ar": carry["next_ar"]}

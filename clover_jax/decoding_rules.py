@@ -1,5 +1,5 @@
 """Per-step rules of block-diffusion decoding (DESIGN.md 3.4): token choice, confidence, the commit
-rule, the repetition penalty. Pure jnp functions on fixed shapes, safe under `jax.jit`.
+rule, the repetition penalty, the ids never chosen. Pure jnp functions on fixed shapes, safe under `jax.jit`.
 
 Shapes: B rows, K canvas positions, V vocabulary.
 """
@@ -97,10 +97,21 @@ def commit_mask(conf_BK: jax.Array, eligible_BK: jax.Array, threshold: float | j
     return above | (fallback & need_fallback[:, None])
 
 
+def suppress_tokens(logits: jax.Array, vocab_limit: int | jax.Array, mask_id: int) -> jax.Array:
+    """`logits` [..., V] with -inf at the ids that are never a generated token: the mask token
+    (`mask_id`; -1 = none) and the embedding rows without a token, ids >= `vocab_limit` (BD3-LM's
+    SUBS projection also gives the mask class zero probability). Applied before every choice, so a
+    committed token is never the mask (which would read as still masked) nor an unused row."""
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    bad = (ids >= jnp.asarray(vocab_limit, jnp.int32)) | (ids == mask_id)
+    return jnp.where(bad, NEG_INF, logits)
+
+
 def first_index(flags_BK: jax.Array) -> jax.Array:
     """Index of the first True per row, K where none: [B] int32."""
     k = flags_BK.shape[-1]
     return jnp.min(jnp.where(flags_BK, jnp.arange(k)[None, :], k), axis=-1).astype(jnp.int32)
 
 
-__all__ = ["choose_tokens", "commit_mask", "filter_logits", "first_index", "repetition_penalty", "seen_tokens"]
+__all__ = ["choose_tokens", "commit_mask", "filter_logits", "first_index", "repetition_penalty", "seen_tokens",
+           "suppress_tokens"]

@@ -77,7 +77,7 @@ class ModelSpec:
 @dataclass(frozen=True)
 class EvalConfig:
     """Held-out eval every `train.eval_every` steps: masked-token CE/accuracy with every block at
-    each fixed noise level of `t_values` (complementary copies per `noise.complementary`), over at
+    each fixed noise level of `t_values` (one copy: no complement, which would be at 1 - t), over at
     most `max_batches` batches of the eval split (kept in memory); at `block_size` (None: the
     model's first block size). Logged as ``eval/ce_t<t>``, ``eval/acc_t<t>``; ``eval/loss`` is the
     mean CE over the levels."""
@@ -122,6 +122,14 @@ class SFTConfig:
     peak_flops_per_device: float | None = None  # None: a known chip's bf16 peak, else measured (CPU)
     count_flops: bool = True  # XLA's FLOP count of the step for MFU (lowers the unrolled stack once)
     compile: dict[str, Any] = field(default_factory=dict)  # `launch.py compile`'s section; unused here
+
+    def __post_init__(self) -> None:
+        if self.loss.weighting == "inverse_t" and self.loss.normalization == "token" and not self.noise.complementary:
+            # token normalisation divides by the masked count; only with the complementary pair is it
+            # the (fixed) maskable count, which makes the 1/t-weighted mean the ELBO
+            raise ConfigError("loss.normalization: token with loss.weighting: inverse_t is the ELBO only with "
+                              "noise.complementary: true (it divides by the random masked count); use "
+                              "loss.normalization: batch, or turn noise.complementary on")
 
     @property
     def checkpoint_dir(self) -> str:

@@ -32,6 +32,7 @@ weighted by it too). ``lb_loss`` is the model's Switch loss over both streams (m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
@@ -44,7 +45,7 @@ from clover_jax.model import shift_predictions
 from clover_jax.yaml_config import ConfigError
 from sft.noise import NoiseConfig, noise_batch
 
-__all__ = ["LossConfig", "ar_targets", "make_sft_loss", "sequence_coefficients", "token_coefficients",
+__all__ = ["LossConfig", "ar_targets", "loss_positions", "make_sft_loss", "sequence_coefficients", "token_coefficients",
            "weighted_ce", "weighted_ce_reference"]
 
 
@@ -248,36 +249,58 @@ def _lm_head(model: Any) -> jax.Array:
     return model.lm_head.kernel[...]
 
 
+def loss_positions(loss_mask_BT: jax.Array, segment_ids_BT: jax.Array, logits_shift: bool) -> jax.Array:
+    """The tokens that can carry loss, bool [B, T]: loss-mask tokens of a document (segment id != 0),
+    without a document's first position under the logit shift: it has no predecessor in its
+    document (`shift_predictions` gives it zeros), which happens when a hard cut starts a piece on
+    a response token; it stays a known token of the noisy canvas."""
+    lm = loss_mask_BT.astype(bool) & (segment_ids_BT != 0)
+    if not logits_shift:
+        return lm
+    doc_start = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                                 segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    return lm & ~doc_start
+
+
 def make_sft_loss(
     graphdef: Any, *, block_size: int, mask_token_id: int, noise: NoiseConfig, loss: LossConfig,
-    lb_coef: float,
+    lb_coef: float, end_pad_id: int | None = None,
 ) -> Callable[[Any, dict[str, jax.Array], jax.Array], tuple[jax.Array, dict[str, jax.Array]]]:
     """``loss_fn(params, batch, rng) -> (loss, metrics)`` for `train.step` (see module docstring).
 
     params: the pure params dict of a block-mode model (`graphdef` from ``nnx.split(model)``);
     batch: the data pipeline's dict (input_ids, segment_ids, positions, loss_mask, [B, T]; optional
-    ``noise_t``, a scalar: every block at that level, for eval); rng: a typed key, for the noise.
-    Metrics: weight (normaliser), num_masked, tokens (non-pad tokens of the drawn rows), acc and
-    ce (masked-token accuracy / plain CE), ar_loss (when weighted), lb_loss, expert_counts [L, E].
+    ``noise_t``, a scalar: every block at that level and no complementary copy, for eval: the
+    complement would be at 1 - t); rng: a typed key, for the noise. `end_pad_id`: the target of
+    the slots after a response's end (``noise.after_end: pad``, `sft.noise`). Loss positions:
+    `loss_positions`. Metrics: weight (normaliser), num_masked, tokens (non-pad tokens of the drawn
+    rows), acc and ce (masked-token accuracy / plain CE), ar_loss (when weighted), lb_loss,
+    expert_counts [L, E].
     """
-    copies = noise.copies
+    if noise.after_end == "pad" and end_pad_id is None:
+        raise ConfigError("noise.after_end: pad trains the slots after a response's end to predict the end pad "
+                          "token: pass end_pad_id (the recipe uses the tokenizer's pad id), or use after_end: mask")
     ce_fn = functools.partial(weighted_ce, chunk_tokens=loss.chunk_tokens)
+    eval_noise = dataclasses.replace(noise, complementary=False)
 
     def loss_fn(params: Any, batch: dict[str, jax.Array], rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         model = nnx.merge(graphdef, params)
         ids, seg = batch["input_ids"], batch["segment_ids"]
-        lmask = batch["loss_mask"].astype(bool) & (seg != 0)
-        nz = noise_batch(rng, ids, lmask, block_size=block_size, mask_token_id=mask_token_id, cfg=noise,
-                         fixed_t=batch.get("noise_t"))
+        lmask = loss_positions(batch["loss_mask"], seg, model.cfg.logits_shift)
+        fixed_t = batch.get("noise_t")
+        ncfg = noise if fixed_t is None else eval_noise
+        copies = ncfg.copies
+        nz = noise_batch(rng, ids, lmask, block_size=block_size, mask_token_id=mask_token_id, cfg=ncfg,
+                         fixed_t=fixed_t, segment_ids_BT=seg, end_pad_id=end_pad_id)
         rep = lambda x: jnp.concatenate([x] * copies, axis=0)  # noqa: E731
-        seg_R, pos_R, lmask_R = rep(seg), rep(batch["positions"]), rep(lmask)
+        seg_R, pos_R = rep(seg), rep(batch["positions"])
         h_clean, h_noisy, aux = model.two_stream_hidden(nz.input_ids_RT, nz.noisy_ids_RT, block_size=block_size,
                                                         positions=pos_R, segment_ids=seg_R)
         h_pred = shift_predictions(h_clean, h_noisy, seg_R, block_size, model.cfg.logits_shift)
-        coef, norm = token_coefficients(nz.masked_RT, nz.t_RT, lmask_R, seg_R, weighting=loss.weighting,
+        coef, norm = token_coefficients(nz.masked_RT, nz.t_RT, nz.maskable_RT, seg_R, weighting=loss.weighting,
                                         normalization=loss.normalization, t_min=noise.t_min, copies=copies)
         w_DV = _lm_head(model)
-        sums = ce_fn(h_pred, w_DV, nz.input_ids_RT, jax.lax.stop_gradient(coef), nz.masked_RT)
+        sums = ce_fn(h_pred, w_DV, nz.targets_RT, jax.lax.stop_gradient(coef), nz.masked_RT)
         n_masked = jnp.sum(nz.masked_RT.astype(jnp.float32))
         safe = jnp.maximum(n_masked, 1.0)
         total = sums[0] + lb_coef * aux["lb_loss"]

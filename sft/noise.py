@@ -5,12 +5,31 @@ Blocks lie on the row grid of the step's block size: packing starts every docume
 (block-aligned packing), so a grid block never holds two documents.
 
 - Noise level: one ``t`` per block (not per sequence), uniform on ``[t_min, t_max]``. With
-  ``antithetic`` the ``N = rows * blocks`` levels of a batch are stratified: exactly one falls in
-  each of the ``N`` equal sub-intervals of ``[t_min, t_max]`` (then randomly permuted over the
-  blocks, so a block's position says nothing about its level). Lower variance, same marginal.
+  ``antithetic`` the levels of the ``n`` blocks that hold a maskable token are stratified: exactly
+  one falls in each of the ``n`` equal sub-intervals of ``[t_min, t_max]`` (in random block order,
+  so a block's position says nothing about its level); blocks without one (prompt, pad) draw iid
+  levels that nothing uses. Lower variance, same marginal.
 - Masking: each maskable token (``loss_mask``: assistant tokens) of a block with level ``t`` is
   replaced by the mask token with probability ``t``, independently. Prompt and pad tokens are never
   masked.
+- The end of a response (``after_end``; needs the segment ids): in the block where a response
+  ends, the tokens of the same document that follow it inside the block (``<|im_end|>``'s newline,
+  the next turn's ``<|im_start|>user`` ...) are never shown to the noisy stream, because at decode
+  time those slots are still masks when the response is generated (else the model learns to end a
+  response on a cue it never has). What they are trained to predict:
+
+  * ``pad`` (default; SDAR pads a response's last block with loss-bearing pad targets, dllm's
+    ``AppendEOSBlockWrapper`` and LLaDA with EOS): the slots become maskable tokens whose target
+    is the end pad id (the tokenizer's pad, ``<|endoftext|>`` on Qwen3.6, one of the decoder's
+    default EOS tokens), masked with the block's level like response tokens and shown as that pad
+    where not masked: the model learns that a block is filled with pads after the end, which is
+    what the decoder's first-EOS stop reads.
+  * ``mask`` (Fast-dLLM v2 fills a sample's last block with mask tokens excluded from the loss):
+    the slots are always the mask token in the noisy stream and carry no loss.
+
+  Only non-loss tokens are affected: when another response starts inside the same block its tokens
+  keep their own masks and targets (the turn between is hidden from them in that block). The
+  clean stream always has the real tokens (later blocks see the real next turn).
 - Complementary masking (default on): every drawn row is run twice, first with the mask ``m``,
   then with its complement over the maskable tokens, ``loss_mask & ~m``; every response token is
   then masked exactly once per pair. The complementary copy of a block with level ``t`` masks each
@@ -26,7 +45,7 @@ runs ``2 * batch_size`` rows, each with a clean and a noisy stream; the copies o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Literal, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +53,7 @@ import numpy as np
 
 from clover_jax.yaml_config import ConfigError
 
-__all__ = ["NoiseConfig", "NoisedBatch", "block_noise_levels", "draw_block_size", "noise_batch"]
+__all__ = ["NoiseConfig", "NoisedBatch", "after_response_end", "block_noise_levels", "draw_block_size", "noise_batch"]
 
 
 @dataclass(frozen=True)
@@ -45,10 +64,13 @@ class NoiseConfig:
     t_max: float = 1.0
     antithetic: bool = False
     complementary: bool = True
+    after_end: Literal["pad", "mask"] = "pad"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.t_min <= self.t_max <= 1.0:
             raise ConfigError(f"noise: need 0 < t_min <= t_max <= 1, got t_min={self.t_min}, t_max={self.t_max}")
+        if self.after_end not in ("pad", "mask"):
+            raise ConfigError(f"noise.after_end: {self.after_end!r} is not one of pad, mask")
 
     @property
     def copies(self) -> int:
@@ -59,11 +81,15 @@ class NoiseConfig:
 class NoisedBatch(NamedTuple):
     """A noised batch of ``R = copies * B`` rows (copy c of drawn row r is row ``c * B + r``).
 
-    input_ids_RT: clean tokens, each drawn row repeated per copy, int32 [R, T];
-    noisy_ids_RT: the same with masked positions replaced by the mask token, int32 [R, T];
-    masked_RT: True where the token was masked (a subset of the maskable tokens), bool [R, T];
+    input_ids_RT: clean tokens (the clean stream), each drawn row repeated per copy, int32 [R, T];
+    noisy_ids_RT: the noisy stream: targets with masked positions replaced by the mask token (and,
+      with ``after_end: mask``, the slots after a response's end too), int32 [R, T];
+    masked_RT: True where the token was masked (a subset of `maskable_RT`): the loss positions, bool [R, T];
     t_RT: the noise level of each token's block in its copy (t, or 1 - t in the complement), f32 [R, T];
-    t_BN: the drawn levels, one per block of the drawn rows, f32 [B, T // block_size].
+    t_BN: the drawn levels, one per block of the drawn rows, f32 [B, T // block_size];
+    targets_RT: what each position is trained to predict: the clean tokens, or the end pad id at the
+      slots after a response's end (``after_end: pad``), int32 [R, T];
+    maskable_RT: the tokens that could be masked: the loss mask, plus those slots with ``pad``, bool [R, T].
     """
 
     input_ids_RT: jax.Array
@@ -71,53 +97,90 @@ class NoisedBatch(NamedTuple):
     masked_RT: jax.Array
     t_RT: jax.Array
     t_BN: jax.Array
+    targets_RT: jax.Array
+    maskable_RT: jax.Array
 
 
-def block_noise_levels(key: jax.Array, rows: int, blocks: int, cfg: NoiseConfig) -> jax.Array:
-    """Noise levels f32 [rows, blocks] on [t_min, t_max] (stratified over all rows * blocks with
-    ``cfg.antithetic``; see the module docstring)."""
+def block_noise_levels(key: jax.Array, rows: int, blocks: int, cfg: NoiseConfig,
+                       has_loss_BN: jax.Array | None = None) -> jax.Array:
+    """Noise levels f32 [rows, blocks] on [t_min, t_max]. With ``cfg.antithetic`` the levels of the
+    blocks where `has_loss_BN` (bool [rows, blocks]; None: every block) are stratified over those
+    blocks only (module docstring); the other blocks keep iid levels."""
     n = rows * blocks
     k_u, k_perm = jax.random.split(key)
     u = jax.random.uniform(k_u, (n,), jnp.float32)
     if cfg.antithetic:
-        # one uniform per stratum [k/n, (k+1)/n), then shuffled over the blocks
-        u = (jnp.arange(n, dtype=jnp.float32) + u) / n
-        u = jax.random.permutation(k_perm, u)
-        u = jnp.minimum(u, jnp.nextafter(jnp.float32(1.0), jnp.float32(0.0)))
+        live = jnp.ones((n,), bool) if has_loss_BN is None else has_loss_BN.reshape(n).astype(bool)
+        n_live = jnp.sum(live.astype(jnp.int32))
+        # a random order of the live blocks: rank r in [0, n_live) gets stratum [r/n_live, (r+1)/n_live)
+        score = jnp.where(live, jax.random.uniform(k_perm, (n,), jnp.float32), 2.0)
+        rank = jnp.zeros((n,), jnp.int32).at[jnp.argsort(score)].set(jnp.arange(n, dtype=jnp.int32))
+        strat = (rank.astype(jnp.float32) + u) / jnp.maximum(n_live, 1).astype(jnp.float32)
+        u = jnp.where(live, jnp.minimum(strat, jnp.nextafter(jnp.float32(1.0), jnp.float32(0.0))), u)
     t = cfg.t_min + (cfg.t_max - cfg.t_min) * u
     return t.reshape(rows, blocks)
 
 
+def after_response_end(loss_mask_BT: jax.Array, segment_ids_BT: jax.Array, block_size: int) -> jax.Array:
+    """bool [B, T]: the non-loss tokens of a document (segment id != 0) that follow a loss token of
+    the same document inside the same block of the row grid (module docstring, ``after_end``)."""
+    b, t = loss_mask_BT.shape
+    lm = loss_mask_BT.astype(bool)
+    pos_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    last = jnp.where(lm, pos_BT, -1).reshape(b, t // block_size, block_size)
+    last_BT = jax.lax.cummax(last, axis=2).reshape(b, t)  # latest loss slot at or before p in p's block
+    seg = segment_ids_BT.astype(jnp.int32)
+    same_doc = jnp.take_along_axis(seg, jnp.maximum(last_BT, 0), axis=1) == seg
+    return ~lm & (last_BT >= 0) & same_doc & (seg != 0)
+
+
 def noise_batch(
     key: jax.Array, input_ids_BT: jax.Array, loss_mask_BT: jax.Array, *, block_size: int, mask_token_id: int,
-    cfg: NoiseConfig, fixed_t: float | jax.Array | None = None,
+    cfg: NoiseConfig, fixed_t: float | jax.Array | None = None, segment_ids_BT: jax.Array | None = None,
+    end_pad_id: int | None = None,
 ) -> NoisedBatch:
     """Draws block levels and masks for a batch of drawn rows (module docstring).
 
     `fixed_t`: every block gets this level (eval at fixed noise); the complement still follows
-    `cfg.complementary`. T must be a multiple of `block_size`.
+    `cfg.complementary`. T must be a multiple of `block_size`. `segment_ids_BT` (the documents, 0 =
+    pad) turns on the ``cfg.after_end`` handling of the slots after a response's end (None: off,
+    only the loss mask is maskable); ``after_end: pad`` needs `end_pad_id`.
     """
     b, t_len = input_ids_BT.shape
     if t_len % block_size:
         raise ValueError(f"sequence length {t_len} is not a multiple of block_size {block_size}")
     nb = t_len // block_size
     k_t, k_tok = jax.random.split(key)
+    lm_BT = loss_mask_BT.astype(bool)
+    if segment_ids_BT is None:
+        end_BT = jnp.zeros_like(lm_BT)
+    else:
+        end_BT = after_response_end(lm_BT, segment_ids_BT, block_size)
+    pad_fill = segment_ids_BT is not None and cfg.after_end == "pad"
+    if pad_fill and end_pad_id is None:
+        raise ValueError("noise.after_end: pad needs the end pad id (end_pad_id)")
+    maskable_BT = lm_BT | end_BT if pad_fill else lm_BT
+    targets_BT = jnp.where(end_BT, jnp.asarray(end_pad_id, input_ids_BT.dtype), input_ids_BT) if pad_fill \
+        else input_ids_BT
     if fixed_t is None:
-        t_BN = block_noise_levels(k_t, b, nb, cfg)
+        has_loss_BN = jnp.any(maskable_BT.reshape(b, nb, block_size), axis=2)
+        t_BN = block_noise_levels(k_t, b, nb, cfg, has_loss_BN)
     else:
         t_BN = jnp.full((b, nb), fixed_t, jnp.float32)
     t_BT = jnp.repeat(t_BN, block_size, axis=1)
-    maskable_BT = loss_mask_BT.astype(bool)
     u_BT = jax.random.uniform(k_tok, (b, t_len), jnp.float32)
     masked = [maskable_BT & (u_BT < t_BT)]
     levels = [t_BT]
     if cfg.complementary:
         masked.append(maskable_BT & ~masked[0])
         levels.append(1.0 - t_BT)
+    rep = lambda x: jnp.concatenate([x] * cfg.copies, axis=0)  # noqa: E731
     masked_RT = jnp.concatenate(masked, axis=0)
-    ids_RT = jnp.concatenate([input_ids_BT] * cfg.copies, axis=0)
-    noisy_RT = jnp.where(masked_RT, jnp.asarray(mask_token_id, ids_RT.dtype), ids_RT)
-    return NoisedBatch(ids_RT, noisy_RT, masked_RT, jnp.concatenate(levels, axis=0), t_BN)
+    hidden_RT = masked_RT if pad_fill else masked_RT | rep(end_BT)  # `mask`: the end slots always hidden
+    targets_RT = rep(targets_BT)
+    noisy_RT = jnp.where(hidden_RT, jnp.asarray(mask_token_id, targets_RT.dtype), targets_RT)
+    return NoisedBatch(rep(input_ids_BT), noisy_RT, masked_RT, jnp.concatenate(levels, axis=0), t_BN,
+                       targets_RT, rep(maskable_BT))
 
 
 def draw_block_size(block_sizes: Sequence[int], seed: int, step: int) -> int:

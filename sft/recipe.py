@@ -231,7 +231,7 @@ class SFTSetup:
         c = self.cfg
         lb = c.loss.lb_coef if c.loss.lb_coef is not None else self.model_cfg.router_aux_loss_coef
         return make_sft_loss(self.graphdef, block_size=block_size, mask_token_id=int(self.model_cfg.mask_token_id),
-                             noise=c.noise, loss=c.loss, lb_coef=lb)
+                             noise=c.noise, loss=c.loss, lb_coef=lb, end_pad_id=int(self.data.pad_id))
 
     @property
     def compute_dtype(self) -> str | None:
@@ -407,7 +407,9 @@ def peak_flops(cfg: SFTConfig, devices: list[Any]) -> float:
 
 
 def make_eval_fn(setup: SFTSetup) -> Callable[[Any], dict[str, float]] | None:
-    """eval_fn(state) for the loop, or None without an eval split / eval_every."""
+    """eval_fn(state) for the loop, or None without an eval split / eval_every. ``ce_t<t>`` is the
+    masked CE with every block at level t and no complementary copy (`make_sft_loss` with
+    ``noise_t``): the masks of that level only."""
     from train.step import evaluate, make_eval_step
 
     cfg = setup.cfg

@@ -241,7 +241,7 @@ def test_sub_blocks_commit_in_order():
                 n_sub += 1
                 assert steps[sub == 0].max() <= steps[sub == 1].min()
     assert n_sub > 0
-    _, out = decode(model, ps, block_size=4, threshold=1.0, trace=True)
+    _, out = decode(model, ps, block_size=4, threshold=1.0, trace=True, first_token_commit=False)
     for g in out.generations:  # one commit per step: no two positions share a step
         order = g.stats["commit_order"]
         assert len(set(order)) == len(order) and g.stats["denoise_steps"] >= len(order)
@@ -308,7 +308,9 @@ def test_sampled_decoding_is_seeded():
     one, _ = decode(model, ps, mode="ar", temperature=0.8, top_k=1, seed=3)
     assert one == greedy
     # in block mode top_k = 1 makes every confidence 1 (> threshold): each block fills in one step
-    _, out = decode(model, ps, block_size=4, threshold=0.9, temperature=0.8, top_k=1, seed=3)
+    # (first token waiting: with first-token commit a block whose one needed slot is its first takes none)
+    _, out = decode(model, ps, block_size=4, threshold=0.9, temperature=0.8, top_k=1, seed=3,
+                    first_token_commit=False)
     assert all(g.stats["denoise_steps"] == g.stats["blocks"] for g in out.generations)
 
 
