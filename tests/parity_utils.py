@@ -2,8 +2,12 @@
 
 Import as ``from parity_utils import ...`` (pytest puts tests/ on sys.path).
 
-* `rel_err` / `assert_rel_close`: the parity criterion `max|ours - ref| <= rel * max|ref|`, with a
-  failure message that says where the worst element is;
+* `rel_err` / `assert_rel_close`: the suite's one criterion for fp32 equality,
+  `max|ours - ref| <= rel * max|ref|`, with a failure message that says where the worst element is.
+  The bound is relative to the reference's scale, so it means the same on any host (fp32
+  accumulation order differs between CPUs, e.g. with AVX-512): `FP32_REL` = 1e-5 for the same math
+  in fp32 (a different op order, fusion or sharding); a test holds a smaller `rel` where its math is
+  a few ops only (it never exceeds what the test's old absolute bound allowed at its scale);
 * `our_layer(model, i)`: decoder layer `i` of a `CloverModel` as a standalone `DecoderLayer`
   (its `attn` / `gdn` / `moe` submodules can then be run alone against the HF module of that layer);
 * `our_attention_ctx` / `our_gdn_ctx` / `our_moe_ctx`: the per-mixer contexts the model builds for a
@@ -19,11 +23,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 from flax import nnx
 
 from clover_jax.attention import causal_segment_mask, rope_tables
 from clover_jax.model import NO_SEGMENT
+
+#: the fp32 criterion for the same math computed two ways: max|ours - ref| <= FP32_REL * max|ref|
+FP32_REL = 1e-5
 
 
 def rel_err(ours: Any, ref: Any) -> float:
@@ -98,24 +104,32 @@ def our_layer_ctx(cfg: Any, positions_BT: Any) -> dict[str, Any]:
     }
 
 
-def hf_causal_mask(b: int, t: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Additive causal mask [B, 1, T, T] (0 on and below the diagonal, -inf above) for eager attention."""
-    m = torch.full((t, t), float("-inf"), dtype=dtype).triu(1)
+def hf_causal_mask(b: int, t: int, dtype: Any = None) -> Any:
+    """Additive causal mask [B, 1, T, T] (0 on and below the diagonal, -inf above) for eager attention
+    (a torch tensor; torch is imported where needed, so tests without an HF model do not load it)."""
+    import torch
+
+    m = torch.full((t, t), float("-inf"), dtype=dtype or torch.float32).triu(1)
     return m[None, None].expand(b, 1, t, t)
 
 
-@torch.no_grad()
-def hf_position_embeddings(hf_model: Any, x: torch.Tensor, positions_BT: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) from the HF model's own rotary embedding (text positions: all three mRoPE rows equal)."""
+def hf_position_embeddings(hf_model: Any, x: Any, positions_BT: Any) -> tuple[Any, Any]:
+    """(cos, sin) torch tensors from the HF model's own rotary embedding (text positions: all three
+    mRoPE rows equal)."""
+    import torch
+
     pos = torch.as_tensor(np.array(positions_BT), dtype=torch.long)
-    return hf_model.model.rotary_emb(x, pos)
+    with torch.no_grad():
+        return hf_model.model.rotary_emb(x, pos)
 
 
-def to_torch(x: Any) -> torch.Tensor:
+def to_torch(x: Any) -> Any:
+    import torch
+
     return torch.as_tensor(np.asarray(x, np.float32))
 
 
 __all__ = [
-    "assert_rel_close", "hf_causal_mask", "hf_position_embeddings", "our_attention_ctx", "our_gdn_ctx",
+    "FP32_REL", "assert_rel_close", "hf_causal_mask", "hf_position_embeddings", "our_attention_ctx", "our_gdn_ctx",
     "our_layer", "our_layer_ctx", "our_moe_ctx", "rel_err", "to_torch",
 ]
