@@ -1,4 +1,4 @@
-"""Clover-JAX command line: `python launch.py <command> ...` (DESIGN.md 6).
+"""Clover-JAX command line: `python launch.py <command> ...` (docs/design.md 6).
 
     sft       --config F [k=v ...]          masked-diffusion SFT (configs/agent_mix.yaml; configs/sft_tiny.yaml
                                             is the embedded default); resumes from checkpoint.dir
@@ -42,7 +42,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from clover_jax.bridge import convert_hf_to_orbax
+    from clover_jax.bridge.convert import convert_hf_to_orbax
 
     t0 = time.perf_counter()
     out = convert_hf_to_orbax(args.hf, args.out, mode=args.mode, overwrite=args.overwrite)
@@ -51,7 +51,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from clover_jax.bridge import export_orbax_to_hf
+    from clover_jax.bridge.convert import export_orbax_to_hf
 
     t0 = time.perf_counter()
     out = export_orbax_to_hf(
@@ -87,10 +87,10 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
     import jax.numpy as jnp
     from flax import nnx
 
-    from clover_jax import sharding as sh
-    from clover_jax.bridge import QWEN_TOKENIZER_SIZE
+    from clover_jax.parallel import sharding as sh
+    from clover_jax.bridge.convert import QWEN_TOKENIZER_SIZE
     from clover_jax.config import ModelConfig, param_count
-    from clover_jax.model import abstract_model
+    from clover_jax.model.clover_model import abstract_model
     from clover_jax.yaml_config import ConfigError, apply_overrides, from_tree
     from sft.config import load_sft_config, model_config_from
     from sft.recipe import SFTSetup, sharded_abstract_state
@@ -218,8 +218,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from clover_jax.decoding import DecodeError
-    from clover_jax.decoding_io import run_generate
+    from clover_jax.decoding.generator import DecodeError
+    from clover_jax.decoding.cli import run_generate
 
     try:
         return run_generate(args)
@@ -229,8 +229,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from clover_jax.calibrate import load_calibrate_config, run_calibrate
-    from clover_jax.decoding import DecodeError
+    from clover_jax.decoding.calibrate import load_calibrate_config, run_calibrate
+    from clover_jax.decoding.generator import DecodeError
 
     try:
         return run_calibrate(load_calibrate_config(args.config, args.overrides))
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     from clover_jax.config import ModelConfigError
     from clover_jax.input_file import InputFileError
-    from clover_jax.safetensors_io import CheckpointError
+    from clover_jax.bridge.safetensors_io import CheckpointError
     from clover_jax.yaml_config import ConfigError
 
     try:

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from clover_jax.config import get_preset  # noqa: E402
-from clover_jax.model import create_model, shift_predictions  # noqa: E402
+from clover_jax.model.clover_model import create_model, shift_predictions  # noqa: E402
 from common import best_time  # noqa: E402
 
 

@@ -40,9 +40,9 @@ import ml_dtypes
 import numpy as np
 import psutil
 
-from clover_jax import hf_keys as hk
+from clover_jax.bridge import hf_keys as hk
 from clover_jax.config import FULL, LINEAR, ModelConfig
-from clover_jax.safetensors_io import SafetensorsIndex, ShardedSafetensorsWriter
+from clover_jax.bridge.safetensors_io import SafetensorsIndex, ShardedSafetensorsWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -186,12 +186,12 @@ def commands(hf: Path, ckpt: Path, export: Path, shard_bytes: int) -> tuple[list
     if '"convert"' in text and "--hf" in text:
         conv = [py, str(launch), "convert", "--hf", str(hf), "--out", str(ckpt)]
     else:
-        conv = [py, "-c", "import sys; from clover_jax.bridge import convert_hf_to_orbax as f; "
+        conv = [py, "-c", "import sys; from clover_jax.bridge.convert import convert_hf_to_orbax as f; "
                 "f(sys.argv[1], sys.argv[2])", str(hf), str(ckpt)]
     if '"export"' in text and "--ckpt" in text:
         exp = [py, str(launch), "export", "--ckpt", str(ckpt), "--out", str(export)]
     else:
-        exp = [py, "-c", "import sys; from clover_jax.bridge import export_orbax_to_hf as f; "
+        exp = [py, "-c", "import sys; from clover_jax.bridge.convert import export_orbax_to_hf as f; "
                "f(sys.argv[1], sys.argv[2], max_shard_bytes=int(sys.argv[3]))",
                str(ckpt), str(export), str(shard_bytes)]
     return conv, exp
@@ -227,9 +227,9 @@ def main() -> None:
         crcs = synthesise(cfg, plan, hf, int(a.shard_gb * GB))
         synth_s = time.perf_counter() - t0
         print(f"synthesised {hf} in {synth_s:.0f} s", flush=True)
-        base = measure([sys.executable, "-c", "import clover_jax.bridge"])
+        base = measure([sys.executable, "-c", "import clover_jax.bridge.convert"])
         base_ox = measure([sys.executable, "-c", "import jax; jax.devices(); "
-                           "from clover_jax.params_checkpoint import _checkpointer; _checkpointer()"])
+                           "from clover_jax.bridge.params_checkpoint import _checkpointer; _checkpointer()"])
         conv_cmd, exp_cmd = commands(hf, ckpt, export, int(a.shard_gb * GB))
         conv = measure(conv_cmd)
         print(f"convert done in {conv['wall_s']:.0f} s", flush=True)
@@ -261,7 +261,7 @@ def main() -> None:
     m = lambda b: f"{b / MiB:,.0f} MiB"  # noqa: E731
     print(f"\ncheckpoint {size / GB:.2f} GB | largest tensor {m(largest)} | largest layer {m(layer)} | "
           f"globals {m(groups['globals'])} (one item per tensor) | budget (tensor + layer) {m(budget)}")
-    print(f"baseline RSS: import clover_jax.bridge {m(base['peak_rss'])}, "
+    print(f"baseline RSS: import clover_jax.bridge.convert {m(base['peak_rss'])}, "
           f"+ jax/orbax/checkpointer {m(base_ox['peak_rss'])}")
     rows = [("step", "peak RSS", "anon", "file", "maxrss", "ratio", "ratio-base", "time", "GB/s")]
     rows += [(name, m(r["peak_rss"]), m(r["peak_anon"]), m(r["peak_file"]), m(r["maxrss_wait4"]),

@@ -29,10 +29,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from clover_jax.api import load_hf  # noqa: E402
-from clover_jax.decoding import DecodeConfig, Decoder  # noqa: E402
-from clover_jax.decoding_eval import ar_agreement, bfcl_match, reference_calls, tool_call_validity  # noqa: E402
-from clover_jax.tokenizer import load_tokenizer  # noqa: E402
-from decode_fixtures import encode_example, tool_call_records, trained_checkpoint  # noqa: E402
+from clover_jax.decoding.generator import DecodeConfig, Decoder  # noqa: E402
+from clover_jax.decoding.metrics import ar_agreement, bfcl_match, reference_calls, tool_call_validity  # noqa: E402
+from clover_jax.bridge.tokenizer import load_tokenizer  # noqa: E402
+from tests.decode_fixtures import encode_example, tool_call_records, trained_checkpoint  # noqa: E402
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from clover_jax.config import get_preset  # noqa: E402
-from clover_jax.model import create_model  # noqa: E402
+from clover_jax.model.clover_model import create_model  # noqa: E402
 
 
 def timeit(fn, repeats: int) -> float:

@@ -36,8 +36,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from clover_jax import sharding as sh  # noqa: E402
-from clover_jax.moe import experts_dense, experts_parallel, experts_sorted, route  # noqa: E402
+from clover_jax.parallel import sharding as sh  # noqa: E402
+from clover_jax.model.moe import experts_dense, experts_parallel, experts_sorted, route  # noqa: E402
 from common import best_time  # noqa: E402
 
 

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from clover_jax.config import get_preset  # noqa: E402
-from clover_jax.model import create_model, model_to_params  # noqa: E402
+from clover_jax.model.clover_model import create_model, model_to_params  # noqa: E402
 from sft.loss import LossConfig, ar_targets, make_sft_loss, weighted_ce  # noqa: E402
 from sft.noise import NoiseConfig  # noqa: E402
 from train.config import OptimizerConfig  # noqa: E402

@@ -2,6 +2,6 @@
 
 from clover_jax.api import load_hf, save_hf
 from clover_jax.config import PRESETS, ModelConfig, get_preset
-from clover_jax.model import CloverModel, create_model
+from clover_jax.model.clover_model import CloverModel, create_model
 
 __all__ = ["CloverModel", "ModelConfig", "PRESETS", "create_model", "get_preset", "load_hf", "save_hf"]

@@ -1,4 +1,4 @@
-"""`load_hf` / `save_hf`: an HF checkpoint dir <-> a ready `CloverModel` (DESIGN.md 6)."""
+"""`load_hf` / `save_hf`: an HF checkpoint dir <-> a ready `CloverModel` (docs/design.md 6)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clover_jax import bridge
+from clover_jax.bridge import convert
 from clover_jax.config import ModelConfig
-from clover_jax.model import CloverModel, model_from_params, model_to_params
-from clover_jax.params import stack_layers, unstack_layers
+from clover_jax.model.clover_model import CloverModel, model_from_params, model_to_params
+from clover_jax.model.params import stack_layers, unstack_layers
 
 _DTYPE_NAMES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16"}
 
@@ -35,7 +35,7 @@ def load_hf(
     (each says so in the log). `runtime` overrides ModelConfig fields (e.g. `gdn_chunk_size=32`,
     `moe_impl="dense"`, `mask_token_id=...`, `bd_alpha_init=...`; the init values come from these)."""
     name = _dtype_name(dtype)
-    cfg, tree = bridge.read_hf(path, mode=mode, dtype=name, param_dtype=name, **runtime)
+    cfg, tree = convert.read_hf(path, mode=mode, dtype=name, param_dtype=name, **runtime)
     return cfg, model_from_params(cfg, stack_layers(cfg, tree))
 
 
@@ -45,9 +45,9 @@ def save_hf(
 ) -> Path:
     """Writes `model` as an HF dir (sharded safetensors + index, config.json, generation_config.json;
     `format="clover"` also the tokenizer with the mask token). `format` None: "clover" for a
-    block-mode model, "qwen" for an AR one (see `bridge.write_hf`). Weights are cast to `dtype` (None
+    block-mode model, "qwen" for an AR one (see `convert.write_hf`). Weights are cast to `dtype` (None
     keeps the params' dtypes); `A_log`, the GDN norm and the Clover scalars stay fp32 as in the
-    Qwen3.6 / Clover checkpoints. `kwargs` go to `bridge.write_hf` (expert_layout, prefix,
+    Qwen3.6 / Clover checkpoints. `kwargs` go to `convert.write_hf` (expert_layout, prefix,
     max_shard_bytes, source_dir, overwrite)."""
     params = model_to_params(model)
     if dtype is None:
@@ -57,7 +57,7 @@ def save_hf(
         # device op compiles) and the cast is ml_dtypes' round-to-nearest-even, as XLA's
         tree = unstack_layers(config, jax.device_get(params))
         tree = jax.tree_util.tree_map_with_path(lambda p, x: _cast_leaf(p, x, dtype), tree)
-    return bridge.write_hf(config, tree, out_dir, format=format, **kwargs)
+    return convert.write_hf(config, tree, out_dir, format=format, **kwargs)
 
 
 def _cast_leaf(path: tuple, x: Any, dtype: Any) -> Any:

@@ -19,7 +19,7 @@ _LAYER_TYPES = (LINEAR, FULL)
 #: HF model types this config reads. `clover_moe` carries the same text fields (plus block-diffusion
 #: fields that the block-diffusion issue adds).
 HF_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "clover_moe")
-#: Block-diffusion fields a `clover_moe` config.json carries besides the text fields (DESIGN.md 3).
+#: Block-diffusion fields a `clover_moe` config.json carries besides the text fields (docs/design.md 3).
 CLOVER_HF_FIELDS = ("block_size", "mask_token_id", "logits_shift", "bd_alpha_init", "bd_beta_init", "bd_gamma_init")
 
 
@@ -76,8 +76,8 @@ class ModelConfig:
     moe_impl: Literal["auto", "ragged", "blocked", "dense"] = "auto"
     moe_dispatch: Literal["ragged_a2a", "ring"] = "ragged_a2a"  # expert-parallel dispatch under a mesh
     scan_layers: bool = True
-    remat: str = "none"  # activation checkpointing of each layer group: a clover_jax.remat policy name
-    # block diffusion (DESIGN.md 3; written to config.json of `clover_moe` checkpoints)
+    remat: str = "none"  # activation checkpointing of each layer group: a clover_jax.parallel.remat policy name
+    # block diffusion (docs/design.md 3; written to config.json of `clover_moe` checkpoints)
     mode: Literal["ar", "block"] = "ar"  # "block" adds the Clover parameters to every GDN layer
     block_size: int | tuple[int, ...] = 32  # a tuple: one size drawn per training step
     mask_token_id: int | None = None
@@ -120,7 +120,7 @@ class ModelConfig:
 
         if self.attn_backend not in ATTN_BACKENDS:
             raise ModelConfigError(f"attn_backend: unknown backend {self.attn_backend!r} (known: {', '.join(ATTN_BACKENDS)})")
-        from clover_jax.remat import POLICIES  # jax only; no model import
+        from clover_jax.parallel.remat import POLICIES  # jax only; no model import
 
         if self.remat not in POLICIES:
             raise ModelConfigError(f"remat: unknown policy {self.remat!r} (known: {', '.join(POLICIES)})")
@@ -172,7 +172,7 @@ class ModelConfig:
 
     @property
     def bd_scalar_init(self) -> tuple[float, float, float]:
-        """Init (alpha, beta, gamma) of `bd_gdn_softmax_scalars` (DESIGN.md 3.2 B)."""
+        """Init (alpha, beta, gamma) of `bd_gdn_softmax_scalars` (docs/design.md 3.2 B)."""
         alpha = self.linear_key_head_dim ** 0.5 if self.bd_alpha_init is None else self.bd_alpha_init
         return float(alpha), float(self.bd_beta_init), float(self.bd_gamma_init)
 
@@ -309,7 +309,7 @@ def _pattern(n_linear: int, n_full: int, repeats: int) -> tuple[str, ...]:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # DESIGN.md 2 table
+    # docs/design.md 2 table
     "qwen3.6-35b-a3b": ModelConfig(),
     # Same backbone plus the block-diffusion parameters; <|mask|> is the first unused row (248077).
     "clover-35b-a3b": ModelConfig(max_position_embeddings=131072, mode="block", block_size=32,

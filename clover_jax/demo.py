@@ -21,11 +21,11 @@ from rich.console import Console
 from rich.table import Table
 
 from clover_jax.api import load_hf, save_hf
-from clover_jax.bridge import convert_hf_to_orbax, export_orbax_to_hf
-from clover_jax.model import create_model
+from clover_jax.bridge.convert import convert_hf_to_orbax, export_orbax_to_hf
+from clover_jax.model.clover_model import create_model
 from clover_jax.run_config import RunConfig
-from clover_jax.safetensors_io import SafetensorsIndex
-from clover_jax.tokenizer import load_tokenizer, save_tokenizer
+from clover_jax.bridge.safetensors_io import SafetensorsIndex
+from clover_jax.bridge.tokenizer import load_tokenizer, save_tokenizer
 
 
 def _dir_bytes(path: Path) -> int:

@@ -2,7 +2,7 @@
 -> frozen dataclasses. `model.preset: NAME` starts the model section from a preset of
 `clover_jax.config.PRESETS`; the other `model.*` keys override its fields.
 
-Sections: `model`, `demo`, `mesh` (clover_jax.sharding.MeshConfig) and `compile` (`CompileConfig`, what
+Sections: `model`, `demo`, `mesh` (clover_jax.parallel.sharding.MeshConfig) and `compile` (`CompileConfig`, what
 `launch.py compile` plans for a plain run config; an SFT recipe has its own sections, see sft.config).
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
 
-from clover_jax import remat
+from clover_jax.parallel import remat
 from clover_jax.config import ModelConfig, ModelConfigError, get_preset
-from clover_jax.sharding import MeshConfig
+from clover_jax.parallel.sharding import MeshConfig
 from clover_jax.yaml_config import ConfigError, apply_overrides, deep_merge, from_tree, load_yaml_tree, to_tree
 
 

@@ -1,6 +1,6 @@
 """Kernels for Clover-JAX (Pallas) and their plain-jnp references.
 
-This package imports nothing from ``clover_jax``, ``train`` or ``sft`` (DESIGN.md 5, module map).
+This package imports nothing from ``clover_jax``, ``train`` or ``sft`` (docs/architecture.md, the import rule).
 """
 
 from .dispatch import BACKENDS, block_gated_delta_rule, chunk_gated_delta_rule

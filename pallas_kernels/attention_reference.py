@@ -1,5 +1,5 @@
 """The jnp reference of full attention (the CPU path and the oracle of the kernels): the mask
-builders of the two training streams (DESIGN.md 3.1) and dense GQA softmax attention.
+builders of the two training streams (docs/design.md 3.1) and dense GQA softmax attention.
 
 The masks are pure functions of slots, segment ids and the block size; `attend` takes an explicit
 boolean mask [B, Tq, Tk], so every caller (training streams, prefill, decoding) shares one core.
@@ -28,7 +28,7 @@ def noisy_query_mask(
     q_start_BT: jax.Array, q_seg_BT: jax.Array, k_slot_BS: jax.Array, k_seg_BS: jax.Array,
     k_start_BS: jax.Array, k_noisy_S: jax.Array,
 ) -> jax.Array:
-    """[B, Tq, S] bool, the block-diffusion rule for NOISY queries (DESIGN.md 3.1): a clean key is
+    """[B, Tq, S] bool, the block-diffusion rule for NOISY queries (docs/design.md 3.1): a clean key is
     visible iff it is in the query's document and strictly before the query's block start; a noisy
     key iff it is in the query's document and in the same block. `*_start`: slot of the first
     position of the token's block; `k_noisy_S`: which keys are noisy-stream tokens."""

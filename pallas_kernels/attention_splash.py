@@ -2,7 +2,7 @@
 (``jax.experimental.pallas.ops.tpu.splash_attention``: forward and backward Pallas/Mosaic kernels
 that skip fully masked tiles). Nothing here writes a kernel; it states the masks and the layout.
 
-Masks (DESIGN.md 3.1), both = a static position mask AND segment-id equality (``SegmentIds``: packed
+Masks (docs/design.md 3.1), both = a static position mask AND segment-id equality (``SegmentIds``: packed
 documents never meet; pads are one more segment):
 
 - clean stream: queries [T] over clean keys [T], ``CausalMask`` (key slot <= query slot);

@@ -100,7 +100,7 @@ def block_gated_delta_rule(
     batch_axes: Sequence[str] | None = None,
     head_axes: Sequence[str] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Both streams of a block-mode GDN layer (DESIGN.md 3.2 B): see ``block_gated_delta_rule_ref``
+    """Both streams of a block-mode GDN layer (docs/design.md 3.2 B): see ``block_gated_delta_rule_ref``
     for the math and ``chunk_gated_delta_rule`` for backend / interpret / mesh. The Pallas path fuses
     the clean sweep and the block readouts (``block_size`` and ``chunk_size`` must divide one another).
 

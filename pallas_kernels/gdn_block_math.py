@@ -1,4 +1,4 @@
-"""Per-block math of the Clover block-mode GDN readout (DESIGN.md 3.2 B), forward and backward.
+"""Per-block math of the Clover block-mode GDN readout (docs/design.md 3.2 B), forward and backward.
 
 Same rules as :mod:`pallas_kernels.gdn_chunk_math` (2-D arrays of one (batch, head, value-block),
 ops that lower on Mosaic, Triton and the interpreter). For one noisy block of Bk tokens:

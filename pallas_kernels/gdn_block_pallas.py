@@ -1,4 +1,4 @@
-"""Fused block-mode GDN (DESIGN.md 3.2 B) as Pallas kernels with a ``jax.custom_vjp``.
+"""Fused block-mode GDN (docs/design.md 3.2 B) as Pallas kernels with a ``jax.custom_vjp``.
 
 Same math and convention as :func:`pallas_kernels.gdn_block_reference.block_gated_delta_rule_ref`:
 the clean stream is the causal chunked GDN, and each noisy block of ``block_size`` tokens reads the

@@ -1,6 +1,6 @@
 """The ``pallas_call``s of the fused block-mode GDN: the causal sweep of
 :mod:`pallas_kernels.gdn_pallas_calls` plus, at the first chunk of every noisy block, the block's
-bidirectional readout against the state that is in fast memory at that moment (DESIGN.md 5: the
+bidirectional readout against the state that is in fast memory at that moment (docs/design.md 5: the
 [chunks, H, dk, dv] states are never written out in the forward).
 
 Extra operands (same flat-head layout as the clean ones): ``qn, kn`` [B, T, H*K], ``vn``

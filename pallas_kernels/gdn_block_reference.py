@@ -1,4 +1,4 @@
-"""Plain-jnp reference of the Clover block-mode GDN (DESIGN.md 3.2 B): the oracle of the fused kernel.
+"""Plain-jnp reference of the Clover block-mode GDN (docs/design.md 3.2 B): the oracle of the fused kernel.
 
 Two streams over the same T positions (argument convention of `gdn_reference`: q, k [B, T, H, dk]
 l2-normalised and repeated to the value heads, v [B, T, H, dv], g / beta [B, T, H], state

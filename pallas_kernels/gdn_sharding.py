@@ -7,7 +7,7 @@ dk, dv replicated (whatever the inputs' actual sharding, ``shard_map`` reshards 
 
 Which mesh: an explicit ``mesh`` argument, else the mesh set with ``jax.set_mesh`` (read through
 ``jax.sharding.get_abstract_mesh()``); none, or a 1-device mesh, means no ``shard_map``.
-Which axes: explicit ``batch_axes`` / ``head_axes``, else this project's defaults (DESIGN.md 4:
+Which axes: explicit ``batch_axes`` / ``head_axes``, else this project's defaults (docs/design.md 4:
 batch -> data, fsdp, expert; heads -> tensor), keeping only axes that exist in the mesh, have size
 > 1, and (together) divide the dimension; the kernel is replicated over the mesh axes left out.
 """

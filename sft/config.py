@@ -1,4 +1,4 @@
-"""`SFTConfig`: the YAML recipe of `python launch.py sft --config F [k=v ...]` (DESIGN.md 3.3, 6).
+"""`SFTConfig`: the YAML recipe of `python launch.py sft --config F [k=v ...]` (docs/design.md 3.3, 6).
 
 Sections (each a frozen dataclass, built by `clover_jax.yaml_config.from_tree`, so unknown keys and
 bad types fail naming the key):
@@ -13,7 +13,7 @@ bad types fail naming the key):
     eval:       EvalConfig (held-out masked-token loss at fixed noise levels)
     train, optimizer, checkpoint, logging:     the train.config sections
     export:     ExportConfig (HF export at the end)
-    mesh:       clover_jax.sharding.MeshConfig; devices: use only the first N devices (tests)
+    mesh:       clover_jax.parallel.sharding.MeshConfig; devices: use only the first N devices (tests)
     peak_flops_per_device, count_flops: the MFU denominator (None: a known chip's peak, else
                 measured) and whether to count the step's FLOPs (a lowering of the unrolled stack)
     compile:    the AOT section of `launch.py compile` (train.aot), kept verbatim, unused by `sft`
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from clover_jax.config import ModelConfig, ModelConfigError, get_preset
-from clover_jax.sharding import MeshConfig
+from clover_jax.parallel.sharding import MeshConfig
 from clover_jax.yaml_config import ConfigError, apply_overrides, deep_merge, from_tree, load_yaml_tree, to_tree
 from sft.data.config import DataConfig
 from sft.loss import LossConfig

@@ -1,4 +1,4 @@
-"""The masked-diffusion SFT loss (DESIGN.md 3.3): chunked-vocabulary cross-entropy at the masked
+"""The masked-diffusion SFT loss (docs/design.md 3.3): chunked-vocabulary cross-entropy at the masked
 positions of the two-stream forward, weighting and normalisation, MoE load balancing, optional AR
 loss on the clean stream.
 
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.model import shift_predictions
+from clover_jax.model.clover_model import shift_predictions
 from clover_jax.yaml_config import ConfigError
 from sft.noise import NoiseConfig, noise_batch
 
@@ -136,9 +136,9 @@ _ce_chunks.defvjp(_ce_chunks_fwd, _ce_chunks_bwd)
 
 def _row_groups(rows: int) -> int:
     """Groups of rows that the CE compacts together: all rows (1 group) on one device; under a mesh
-    (`clover_jax.sharding.use_sharding`) one group per batch shard, so the sort and gather stay on
+    (`clover_jax.parallel.sharding.use_sharding`) one group per batch shard, so the sort and gather stay on
     the device that holds the rows."""
-    from clover_jax import sharding
+    from clover_jax.parallel import sharding
 
     ctx = sharding.current()
     if ctx is None or ctx.mesh.size == 1:

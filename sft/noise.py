@@ -1,4 +1,4 @@
-"""Masked-diffusion noise for SFT (DESIGN.md 3.3): per-block noise levels, token masks, the
+"""Masked-diffusion noise for SFT (docs/design.md 3.3): per-block noise levels, token masks, the
 complementary copy, and the per-step block-size draw of multi-size training.
 
 Blocks lie on the row grid of the step's block size: packing starts every document on that grid

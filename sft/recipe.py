@@ -1,4 +1,4 @@
-"""The masked-diffusion SFT recipe: `python launch.py sft --config F [k=v ...]` (DESIGN.md 3.3, 6).
+"""The masked-diffusion SFT recipe: `python launch.py sft --config F [k=v ...]` (docs/design.md 3.3, 6).
 
 Flow of `run_sft(cfg)`:
 
@@ -37,9 +37,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from clover_jax import sharding as sh
+from clover_jax.parallel import sharding as sh
 from clover_jax.config import ModelConfig
-from clover_jax.model import abstract_model, check_block_aligned, create_model, model_from_params, model_to_params
+from clover_jax.model.clover_model import abstract_model, check_block_aligned, create_model, model_from_params, model_to_params
 from clover_jax.yaml_config import ConfigError, to_tree
 from sft.config import SFTConfig, check_data_root, model_config_from
 from sft.data import SFTData, block_align_for
@@ -68,7 +68,7 @@ def generate_init_checkpoint(cfg: SFTConfig) -> Path:
     Qwen3.6 HF dir (bf16, fused experts, `model.language_model.` prefix) with the Qwen3.6 tokenizer,
     as `launch.py demo` builds it. Written to a temp dir and renamed (never half there)."""
     from clover_jax.api import save_hf
-    from clover_jax.tokenizer import load_tokenizer, save_tokenizer
+    from clover_jax.bridge.tokenizer import load_tokenizer, save_tokenizer
 
     out = Path(cfg.model.init_from)
     mcfg = model_config_from(cfg.model, None).replace(mode="ar", dtype="float32", param_dtype="float32")
@@ -96,7 +96,7 @@ def _source(cfg: SFTConfig) -> tuple[str, Path | None, ModelConfig | None, Path 
     if not p.exists():
         raise ConfigError(f"model.init_from: {p} does not exist (an HF dir with config.json or an Orbax "
                           "params checkpoint from `launch.py convert`)")
-    from clover_jax.params_checkpoint import is_params_checkpoint, read_params_info
+    from clover_jax.bridge.params_checkpoint import is_params_checkpoint, read_params_info
 
     if _is_hf_dir(p):
         return "hf", p, ModelConfig.from_hf_file(p), p
@@ -110,18 +110,18 @@ def _source(cfg: SFTConfig) -> tuple[str, Path | None, ModelConfig | None, Path 
 
 def _tokenizers(cfg: SFTConfig, tok_dir: Path | None) -> Any:
     """The data tokenizer (read-only, shared): data.tokenizer, else the init dir's, else built-in."""
-    from clover_jax.tokenizer import load_tokenizer
+    from clover_jax.bridge.tokenizer import load_tokenizer
 
     return load_tokenizer(cfg.data.tokenizer or tok_dir)
 
 
 def resolve_mask_token(mcfg: ModelConfig, cfg: SFTConfig, tok_dir: Path | None) -> ModelConfig:
-    """`mask_token_id` set and consistent with the tokenizer (DESIGN.md 3.2). The id `<|mask|>` has
-    (or gets: the next free id, as `clover_jax.tokenizer.add_mask_token` assigns it, 248077 on
+    """`mask_token_id` set and consistent with the tokenizer (docs/design.md 3.2). The id `<|mask|>` has
+    (or gets: the next free id, as `clover_jax.bridge.tokenizer.add_mask_token` assigns it, 248077 on
     Qwen3.6) must equal a configured `mask_token_id` and lie inside the embedding. The tokenizer is
     not changed here (the export adds the token to its own copy). Without a tokenizer to check (a
     vocabulary the Qwen3.6 one does not fit), a configured id is taken as given."""
-    from clover_jax.bridge import MASK_TOKEN, QWEN_TOKENIZER_SIZE
+    from clover_jax.bridge.convert import MASK_TOKEN, QWEN_TOKENIZER_SIZE
 
     has_tok = cfg.data.tokenizer is not None or tok_dir is not None or mcfg.vocab_size > QWEN_TOKENIZER_SIZE
     if not has_tok:
@@ -148,7 +148,7 @@ def resolve_mask_token(mcfg: ModelConfig, cfg: SFTConfig, tok_dir: Path | None) 
 def _fill_clover_params(mcfg: ModelConfig, flat: dict[str, Any]) -> dict[str, Any]:
     """An AR Orbax checkpoint into block mode: the Clover params at their init values (scalars
     (alpha, beta, gamma) per head, zero right-conv taps); anything else missing is an error."""
-    from clover_jax.params import flatten
+    from clover_jax.model.params import flatten
 
     target = flatten(model_to_params(abstract_model(mcfg)))
     out = dict(flat)
@@ -178,8 +178,8 @@ def load_params(kind: str, path: Path | None, mcfg: ModelConfig, seed: int) -> d
         runtime = {k: v for k, v in to_tree(mcfg).items() if k not in ("dtype", "param_dtype", "mode")}
         _, model = load_hf(path, dtype=jnp.dtype(mcfg.param_dtype), mode="block", **_tuples(runtime))
         return model_to_params(model)
-    from clover_jax.params import flatten, stack_layers, unflatten
-    from clover_jax.params_checkpoint import load_params_checkpoint
+    from clover_jax.model.params import flatten, stack_layers, unflatten
+    from clover_jax.bridge.params_checkpoint import load_params_checkpoint
 
     ck_cfg, tree = load_params_checkpoint(path)
     flat = _fill_clover_params(mcfg, flatten(stack_layers(ck_cfg, tree)))

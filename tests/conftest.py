@@ -23,10 +23,10 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tok():
-    """The built-in Qwen3.6 tokenizer (clover_jax.tokenizer), from $CLOVER_JAX_CACHE or a shared tmp
+    """The built-in Qwen3.6 tokenizer (clover_jax.bridge.tokenizer), from $CLOVER_JAX_CACHE or a shared tmp
     cache: the cache is fingerprinted and built atomically, so reusing it across runs is safe and
     saves the ~10 s build."""
-    from clover_jax import tokenizer
+    from clover_jax.bridge import tokenizer
 
     root = os.environ.get("CLOVER_JAX_CACHE") or os.path.join(tempfile.gettempdir(), "clover_jax_sft_test_cache")
     with pytest.MonkeyPatch.context() as mp:

@@ -162,7 +162,7 @@ def cache_root() -> Path:
 
 
 def split_example(rec: dict) -> tuple[list[dict], dict, list[dict]]:
-    from clover_jax.decoding_eval import split_record
+    from clover_jax.decoding.metrics import split_record
 
     prompt, answer, tools = split_record(rec)
     return prompt, answer, tools
@@ -242,8 +242,8 @@ def train(task: TinyTaskConfig, out_dir: Path) -> dict[str, Any]:
     from flax import nnx
 
     from clover_jax.api import save_hf
-    from clover_jax.model import create_model, shift_predictions
-    from clover_jax.tokenizer import save_tokenizer
+    from clover_jax.model.clover_model import create_model, shift_predictions
+    from clover_jax.bridge.tokenizer import save_tokenizer
     t0 = time.perf_counter()
     records = task_records(task.n_train, task.data_seed)
     tok = build_tokenizer(records, task.bpe_vocab)

@@ -1,6 +1,6 @@
 """Tiny random HF Qwen3.5-MoE checkpoints for bridge and parity tests (torch + transformers).
 
-Import as ``from hf_fixtures import ...`` (pytest puts tests/ on sys.path; there is no tests package).
+Import as ``from tests.hf_fixtures import ...`` (pytest puts tests/ on sys.path; there is no tests package).
 
 Writers are independent of our own safetensors code (they use `safetensors.torch` directly), so a
 test that reads their output with `clover_jax` checks our reader against files HF-style tools make.
@@ -225,7 +225,7 @@ def hf_logits(model: torch.nn.Module, input_ids: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------
-# Clover checkpoints (additive; tests/test_clover_format.py). Written from DESIGN.md 2.2 / 3.2
+# Clover checkpoints (additive; tests/bridge/test_clover_format.py). Written from docs/design.md 2.2 / 3.2
 # directly with safetensors.torch, independent of clover_jax's writer.
 # ------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""clover_jax.config against independent facts: the DESIGN.md section 2 table, parameter counts by hand
+"""clover_jax.config against independent facts: the docs/design.md section 2 table, parameter counts by hand
 and from transformers' own `Qwen3_5MoeForCausalLM` (built on the meta device, so no memory), and
 `Qwen3_5MoeTextConfig` for the HF dict conversions."""
 
@@ -187,7 +187,7 @@ def test_from_hf_dict_transformers_text_config():
 
 
 def test_from_hf_dict_hf_fixture_composite():
-    from hf_fixtures import TINY_HF_CONFIG, composite_config, tiny_hf_config
+    from tests.hf_fixtures import TINY_HF_CONFIG, composite_config, tiny_hf_config
 
     c = ModelConfig.from_hf_dict(composite_config(tiny_hf_config()))
     for f in ARCH_FIELDS:

@@ -1,8 +1,8 @@
 """AOT memory planner: compile a train step for a TPU topology on this CPU machine and report the
-per-chip memory against the chip's HBM, and the step's FLOPs (DESIGN.md 4, `launch.py compile`).
+per-chip memory against the chip's HBM, and the step's FLOPs (docs/design.md 4, `launch.py compile`).
 
 Nothing of the model is materialised: params (fp32 master copies) and the optax adamw state are
-`jax.ShapeDtypeStruct`s carrying their shardings (the rule table of `clover_jax.sharding`), the
+`jax.ShapeDtypeStruct`s carrying their shardings (the rule table of `clover_jax.parallel.sharding`), the
 topology's devices come from libtpu (`jax.experimental.topologies.get_topology_desc`), and
 `compiled.memory_analysis()` / `cost_analysis()` give the numbers of the real TPU program.
 
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from clover_jax import remat, sharding
+from clover_jax.parallel import remat, sharding
 from clover_jax.config import ModelConfig, param_count
-from clover_jax.model import abstract_model
+from clover_jax.model.clover_model import abstract_model
 from clover_jax.run_config import CompileConfig  # the `compile:` section (re-exported)
 from clover_jax.yaml_config import ConfigError
 
@@ -167,7 +167,7 @@ class MemoryPlan:
         row = lambda k, v: f"  {k:<28}{v / GiB:>9.2f} GiB {100 * v / hbm:>6.1f}%"  # noqa: E731
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
         tokens = self.micro_batch * self.seq_len
-        rm = self.remat if self.remat_applied else f"{self.remat} (NOT applied: the layer stack ignores clover_jax.remat)"
+        rm = self.remat if self.remat_applied else f"{self.remat} (NOT applied: the layer stack ignores clover_jax.parallel.remat)"
         accum = f"{self.micro_batches} x " if self.micro_batches > 1 else ""
         lines = [
             f"AOT plan: {self.model} ({self.params / 1e9:.2f}B params), {self.step_name}, on {self.topology.name} "
@@ -197,8 +197,8 @@ class MemoryPlan:
             out.append(f"params + optimizer state alone take {state / GiB:.1f} GiB/chip: shard them over more "
                        f"chips (a bigger topology, or mesh.fsdp / mesh.expert covering all {self.topology.chips})")
         if not self.remat_applied:
-            out.append(f"rematerialisation: the layer stack ignored compile.remat={self.remat} (decoder.run_stack "
-                       "does not read clover_jax.remat yet), so every layer's activations stay live")
+            out.append(f"rematerialisation: the layer stack ignored compile.remat={self.remat} (layers.run_stack "
+                       "does not read clover_jax.parallel.remat yet), so every layer's activations stay live")
         elif remat.resolve(self.remat) != "full":
             out.append("compile.remat=full (recompute each layer group in the backward)")
         shards = self.mesh_shape["data"] * self.mesh_shape["fsdp"] * self.mesh_shape["expert"]
@@ -271,11 +271,11 @@ StepFn = Callable[..., tuple[Any, Any, Any]]
 
 # ---------------------------------------------------------------------------------------------
 def stack_honours_remat_context() -> bool:
-    """Whether `decoder.run_stack` takes its policy from `clover_jax.remat.use_policy` (its `remat`
+    """Whether `layers.run_stack` takes its policy from `clover_jax.parallel.remat.use_policy` (its `remat`
     default is None); until then a requested policy cannot reach the layer stack."""
-    from clover_jax import decoder
+    from clover_jax.model import layers
 
-    p = inspect.signature(decoder.run_stack).parameters.get("remat")
+    p = inspect.signature(layers.run_stack).parameters.get("remat")
     return p is not None and p.default is None
 
 

@@ -1,5 +1,5 @@
 """SFT data pipeline: agent-mix sources -> canonical chat records -> rendered documents with the
-assistant loss mask -> block-aligned packed rows -> batches (DESIGN.md 3.1, 3.3, 6).
+assistant loss mask -> block-aligned packed rows -> batches (docs/design.md 3.1, 3.3, 6).
 
 Modules: ``config`` (DataConfig / SourceConfig), ``records`` (canonical schema, DataError),
 ``readers`` (files, globs, datasets), ``converters`` (one per source schema), ``sources`` (open +

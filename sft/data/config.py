@@ -126,7 +126,7 @@ class DataConfig:
     """The SFT data pipeline: mix, render, pack, batch.
 
     - ``seq_len``: row length; a positive multiple of ``block_align``.
-    - ``block_align``: every packed document starts at a multiple of it (DESIGN.md 3.1; the lcm
+    - ``block_align``: every packed document starts at a multiple of it (docs/design.md 3.1; the lcm
       of the model's block sizes).
     - ``overlong``: a document longer than ``seq_len`` is split at message boundaries
       (``split_turns``) or dropped (``drop``); both counted.

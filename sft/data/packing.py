@@ -1,4 +1,4 @@
-"""Block-aligned packing (DESIGN.md 3.1) and overlong-document splitting.
+"""Block-aligned packing (docs/design.md 3.1) and overlong-document splitting.
 
 Row layout (``seq_len`` tokens): documents start at multiples of ``block_align``; between them,
 and after the last one, pad tokens (``segment_ids`` 0, ``loss_mask`` False, ``positions`` 0).

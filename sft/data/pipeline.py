@@ -39,7 +39,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from clover_jax.tokenizer import ENDOFTEXT
+from clover_jax.bridge.tokenizer import ENDOFTEXT
 from clover_jax.yaml_config import ConfigError
 from sft.data.config import DataConfig
 from sft.data.packing import BlockPacker, Piece, assemble_row, empty_row, split_doc
@@ -260,7 +260,7 @@ class SFTData:
         if not cfg.sources:
             raise ConfigError("sources: no data sources configured")
         if tokenizer is None:
-            from clover_jax.tokenizer import load_tokenizer
+            from clover_jax.bridge.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(cfg.tokenizer)
         self.cfg, self.tokenizer = cfg, tokenizer

@@ -1,4 +1,4 @@
-"""The canonical SFT record (DESIGN.md 6) and its validation.
+"""The canonical SFT record (docs/design.md 6) and its validation.
 
 A record is ``{"messages": [...], "tools": [...]}`` in the OpenAI chat format:
 

@@ -34,7 +34,7 @@ import re
 
 import numpy as np
 
-from clover_jax.tokenizer import IM_END, IM_START
+from clover_jax.bridge.tokenizer import IM_END, IM_START
 from sft.data.records import DataError
 
 __all__ = ["ChatRenderer", "Doc"]

@@ -1,0 +1,1 @@
+"""clover_jax.bridge: see docs/architecture.md."""

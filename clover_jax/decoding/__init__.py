@@ -1,0 +1,1 @@
+"""clover_jax.decoding: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""clover_jax.model: see docs/architecture.md."""

@@ -1,0 +1,290 @@
+"""The Gated DeltaNet layer (Qwen3.5 `Qwen3_5MoeGatedDeltaNet`), AR (clean-stream) mode.
+
+Shapes: D hidden, nk/nv key/value heads, dk/dv head dims, K conv kernel, L = K-1 ring length.
+q, k, v are projected and convolved as three separate channel groups (HF fuses them into one
+`in_proj_qkv` and one conv; the bridge splits rows) so that tensor parallelism can shard each by head.
+
+Packed rows: the conv never reads a tap from another document, and the recurrent state resets where
+the segment id changes. With a cache, the conv reads the ring of the last L pre-conv inputs and the
+recurrence starts from the cached state, unless the first new token starts a new document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from clover_jax.config import ModelConfig
+from clover_jax.model.nn import Dense, GatedRMSNorm, constant, dtype_of, make_param, normal
+
+CONV_PARTS = ("q", "k", "v")
+
+
+def causal_conv(
+    x_BTC: jax.Array, w_KC: jax.Array, ring_BLC: jax.Array, seg_BT: jax.Array, ring_seg_BL: jax.Array
+) -> jax.Array:
+    """Depthwise causal conv, no activation: `out_t = sum_j w[j] x~[t-K+1+j]` over x~ = ring || x.
+
+    A tap contributes only if its token is in the same segment as t (ring slots carry the segment ids
+    of the tokens they hold; an empty ring is zeros with segment -1).
+    """
+    k = w_KC.shape[0]
+    t = x_BTC.shape[1]
+    xx = jnp.concatenate([ring_BLC.astype(x_BTC.dtype), x_BTC], axis=1)
+    seg = jnp.concatenate([ring_seg_BL, seg_BT], axis=1)
+    out = jnp.zeros(x_BTC.shape, jnp.float32)
+    for j in range(k):  # K = 4: a static unroll is cheaper than a conv with masks
+        tap = jax.lax.dynamic_slice_in_dim(xx, j, t, axis=1)
+        same = jax.lax.dynamic_slice_in_dim(seg, j, t, axis=1) == seg_BT
+        out = out + jnp.where(same[..., None], tap.astype(jnp.float32) * w_KC[j].astype(jnp.float32), 0.0)
+    return out.astype(x_BTC.dtype)
+
+
+def right_conv(x_BKC: jax.Array, w_LC: jax.Array, seg_BK: jax.Array) -> jax.Array:
+    """Block-mode right-context taps (docs/design.md 3.2 C), no activation, over whole blocks [B, K, C]:
+    `out_t = sum_{d=1..L} w[d-1] x_{t+d}`, only where t + d is inside the block and in t's segment,
+    so a tap never reads past the block end."""
+    k = x_BKC.shape[1]
+    out = jnp.zeros(x_BKC.shape, jnp.float32)
+    for d in range(1, min(w_LC.shape[0], k - 1) + 1):
+        tap = jnp.pad(x_BKC[:, d:], ((0, 0), (0, d), (0, 0)))
+        same = jnp.pad(seg_BK[:, d:] == seg_BK[:, :-d], ((0, 0), (0, d)))
+        out = out + jnp.where(same[..., None], tap.astype(jnp.float32) * w_LC[d - 1].astype(jnp.float32), 0.0)
+    return out
+
+
+def block_conv(
+    x_BKC: jax.Array, w_KC: jax.Array, w_right_LC: jax.Array, ring_BLC: jax.Array, seg_BK: jax.Array,
+    ring_seg_BL: jax.Array,
+) -> jax.Array:
+    """The noisy-stream conv of one block, no activation: left taps over ring || block (the ring holds
+    the CLEAN pre-conv inputs before the block), right taps inside the block. Zero `w_right` gives
+    exactly `causal_conv`."""
+    left = causal_conv(x_BKC, w_KC, ring_BLC, seg_BK, ring_seg_BL).astype(jnp.float32)
+    return (left + right_conv(x_BKC, w_right_LC, seg_BK)).astype(x_BKC.dtype)
+
+
+def block_rings(x_BTC: jax.Array, seg_BT: jax.Array, block: int, lring: int, empty_seg: int):
+    """For every row-grid block n, the L clean inputs before it and their segment ids:
+    ([B*N, L, C], [B*N, L]); slots before the row start are zeros with segment `empty_seg`."""
+    b, t, c = x_BTC.shape
+    n = t // block
+    x_pad = jnp.pad(x_BTC, ((0, 0), (lring, 0), (0, 0)))
+    s_pad = jnp.pad(seg_BT, ((0, 0), (lring, 0)), constant_values=empty_seg)
+    idx_NL = jnp.arange(n)[:, None] * block + jnp.arange(lring)[None, :]  # padded index of slot n*block - L + j
+    rings = jnp.take(x_pad, idx_NL.reshape(-1), axis=1).reshape(b * n, lring, c)
+    ring_seg = jnp.take(s_pad, idx_NL.reshape(-1), axis=1).reshape(b * n, lring)
+    return rings, ring_seg
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """`x * rsqrt(sum(x^2) + eps)` over the last axis (fla / transformers convention), fp32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class GatedDeltaNet(nnx.Module):
+    """GDN mixer: projections, causal conv + SiLU, gates, l2norm, gated delta rule, gated norm, out_proj."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd, dt = dtype_of(cfg.param_dtype), dtype_of(cfg.dtype)
+        d, kd, vd, nv = cfg.hidden_size, cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.linear_num_value_heads
+        kw = dict(rngs=rngs, param_dtype=pd, dtype=dt)
+        self.in_proj_q = Dense(d, kd, ("embed", "gdn_qk"), **kw)
+        self.in_proj_k = Dense(d, kd, ("embed", "gdn_qk"), **kw)
+        self.in_proj_v = Dense(d, vd, ("embed", "gdn_v"), **kw)
+        self.in_proj_z = Dense(d, vd, ("embed", "gdn_v"), **kw)
+        self.in_proj_b = Dense(d, nv, ("embed", "gdn_heads"), **kw)
+        self.in_proj_a = Dense(d, nv, ("embed", "gdn_heads"), **kw)
+        k = cfg.linear_conv_kernel_dim
+        block = cfg.mode == "block"
+        self.conv_q = _ConvKernel(k, kd, "gdn_qk", rngs=rngs, param_dtype=pd, right=block)
+        self.conv_k = _ConvKernel(k, kd, "gdn_qk", rngs=rngs, param_dtype=pd, right=block)
+        self.conv_v = _ConvKernel(k, vd, "gdn_v", rngs=rngs, param_dtype=pd, right=block)
+        if block:
+            # Clover block mode (docs/design.md 3.2 B): per value head (alpha, beta, gamma), always fp32.
+            self.bd_gdn_softmax_scalars = make_param(
+                rngs, _rows(cfg.bd_scalar_init), (nv, 3), ("gdn_heads", "bd_scalar"), jnp.float32)
+        # A_log and dt_bias stay fp32 whatever param_dtype is (HF keeps A_log fp32; both feed exp).
+        self.A_log = make_param(rngs, _log_uniform(1.0, 16.0), (nv,), ("gdn_heads",), jnp.float32)
+        self.dt_bias = make_param(rngs, constant(1.0), (nv,), ("gdn_heads",), jnp.float32)
+        self.norm = GatedRMSNorm(cfg.linear_value_head_dim, eps=cfg.rms_norm_eps, rngs=rngs, param_dtype=pd)
+        self.out_proj = Dense(vd, d, ("gdn_v", "embed"), **kw)
+        self.cfg = cfg
+
+    def mix_inputs(self, x_BTD: jax.Array) -> dict[str, jax.Array]:
+        """Pre-conv q, k, v [B, T, C_part] and the gates' inputs z [B,T,nv,dv], b, a [B,T,nv]."""
+        b, t, _ = x_BTD.shape
+        c = self.cfg
+        return {
+            "q": self.in_proj_q(x_BTD),
+            "k": self.in_proj_k(x_BTD),
+            "v": self.in_proj_v(x_BTD),
+            "z": self.in_proj_z(x_BTD).reshape(b, t, c.linear_num_value_heads, c.linear_value_head_dim),
+            "b": self.in_proj_b(x_BTD),
+            "a": self.in_proj_a(x_BTD),
+        }
+
+    def gates(self, b_BTH: jax.Array, a_BTH: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), both fp32 [B, T, nv]."""
+        beta = jax.nn.sigmoid(b_BTH.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a_BTH.astype(jnp.float32) + self.dt_bias[...])
+        return g, beta
+
+    def heads(self, conv: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Post-conv channels -> q, k l2-normalised and repeated to nv heads [B,T,nv,dk]; v [B,T,nv,dv]."""
+        c = self.cfg
+        b, t, _ = conv["q"].shape
+        rep = c.linear_num_value_heads // c.linear_num_key_heads
+        q = conv["q"].reshape(b, t, c.linear_num_key_heads, c.linear_key_head_dim)
+        k = conv["k"].reshape(b, t, c.linear_num_key_heads, c.linear_key_head_dim)
+        v = conv["v"].reshape(b, t, c.linear_num_value_heads, c.linear_value_head_dim)
+        # value head j reads key head j // rep (HF repeat_interleave)
+        q = jnp.repeat(l2_normalize(q), rep, axis=2)
+        k = jnp.repeat(l2_normalize(k), rep, axis=2)
+        return q, k, v.astype(jnp.float32)
+
+    def _conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
+                    ring_seg: jax.Array) -> dict[str, jax.Array]:
+        """Causal conv + SiLU of the q, k, v channel groups (AR / clean stream)."""
+        return {p: jax.nn.silu(causal_conv(mixed[p], getattr(self, f"conv_{p}").kernel[...], rings[p], seg, ring_seg))
+                for p in CONV_PARTS}
+
+    def _block_conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
+                          ring_seg: jax.Array) -> dict[str, jax.Array]:
+        """Noisy-stream conv (left taps over clean ring || block, right taps in the block) + SiLU.
+        Inputs are whole blocks [B', Bk, C] with their rings [B', L, C]."""
+        out = {}
+        for p in CONV_PARTS:
+            conv = getattr(self, f"conv_{p}")
+            out[p] = jax.nn.silu(block_conv(mixed[p], conv.kernel[...], conv.right[...], rings[p], seg, ring_seg))
+        return out
+
+    def output(self, o_BTHV: jax.Array, z_BTHV: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        b, t = o_BTHV.shape[:2]
+        y = self.norm(o_BTHV.astype(dtype), z_BTHV)
+        return self.out_proj(y.reshape(b, t, -1))
+
+    def __call__(
+        self, x_BTD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array] | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+        """x [B, T, D] -> [B, T, D]. `ctx`: `segment_ids` [B, T], `ring_segment_ids` [B, L] and, with a
+        cache, `continues` [B] bool (the first token continues the cached document). Cache:
+        `state` [B, nv, dk, dv] fp32, `conv_{q,k,v}` [B, L, C_part] pre-conv ring."""
+        c = self.cfg
+        mixed = self.mix_inputs(x_BTD)
+        seg, ring_seg = ctx["segment_ids"], ctx["ring_segment_ids"]
+        b, t, _ = x_BTD.shape
+        lring = c.linear_conv_kernel_dim - 1
+        rings = {p: cache[f"conv_{p}"].astype(mixed[p].dtype) if cache is not None
+                 else jnp.zeros((b, lring, mixed[p].shape[-1]), mixed[p].dtype) for p in CONV_PARTS}
+        conv = self._conv_parts(mixed, seg, rings, ring_seg)
+        new_cache = {f"conv_{p}": jnp.concatenate([rings[p], mixed[p]], axis=1)[:, -lring:] for p in CONV_PARTS}
+        q, k, v = self.heads(conv)
+        g, beta = self.gates(mixed["b"], mixed["a"])
+        init_state = None
+        if cache is not None:
+            init_state = cache["state"] * ctx["continues"][:, None, None, None].astype(jnp.float32)
+        o, state = pallas_kernels.chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=init_state, segment_ids=seg,
+            chunk_size=c.gdn_chunk_size, backend=c.gdn_backend,
+        )
+        y = self.output(o, mixed["z"], x_BTD.dtype)
+        if cache is None:
+            return y, None
+        new_cache = {k_: v_.astype(cache[k_].dtype) for k_, v_ in new_cache.items()}
+        new_cache["state"] = state.astype(jnp.float32)
+        return y, new_cache
+
+
+    # -- block mode (docs/design.md 3.2 B, C) ----------------------------------------------------------
+    def two_stream(self, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
+        """Training forward of both streams: x [B, 2T, D] = clean tokens || noisy tokens (same
+        positions), -> [B, 2T, D]. The clean half is the AR layer exactly; the noisy half is the
+        block-mode GDN on the row grid of `ctx["block_size"]` (T a multiple of it)."""
+        c = self.cfg
+        bk, seg = ctx["block_size"], ctx["segment_ids"]
+        b, t = seg.shape
+        lring = c.linear_conv_kernel_dim - 1
+        mixed = self.mix_inputs(x_BSD)
+        clean = {name: val[:, :t] for name, val in mixed.items()}
+        noisy = {name: val[:, t:] for name, val in mixed.items()}
+        empty = jnp.full((b, lring), ctx["empty_segment"], jnp.int32)
+        zeros = {p: jnp.zeros((b, lring, clean[p].shape[-1]), clean[p].dtype) for p in CONV_PARTS}
+        conv_c = self._conv_parts(clean, seg, zeros, empty)
+        n = t // bk
+        blocks = lambda a: a.reshape((b * n, bk) + a.shape[2:])  # noqa: E731
+        ring_parts = {p: block_rings(clean[p], seg, bk, lring, ctx["empty_segment"]) for p in CONV_PARTS}
+        ring_seg = ring_parts["q"][1]
+        conv_n = self._block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg),
+                                        {p: r for p, (r, _) in ring_parts.items()}, ring_seg)
+        conv_n = {p: v.reshape(b, t, -1) for p, v in conv_n.items()}
+        q_c, k_c, v_c = self.heads(conv_c)
+        q_n, k_n, v_n = self.heads(conv_n)
+        g, beta = self.gates(clean["b"], clean["a"])
+        o_c, o_n, _ = pallas_kernels.block_gated_delta_rule(
+            q_c, k_c, v_c, g, beta, q_n, k_n, v_n, self.bd_gdn_softmax_scalars[...],
+            block_size=bk, segment_ids=seg, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend)
+        z = jnp.concatenate([clean["z"], noisy["z"]], axis=1)
+        return self.output(jnp.concatenate([o_c, o_n], axis=1), z, x_BSD.dtype)
+
+    def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]
+                   ) -> tuple[jax.Array, jax.Array]:
+        """Decode side: one noisy canvas [B, Bk, D] against the clean caches (read only) -> ([B, Bk, D],
+        mean softmax share of the history unit over the canvas' non-pad tokens and heads).
+        `ctx`: `segment_ids` [B, Bk], `ring_segment_ids` [B, L], `continues` [B, Bk] (token continues
+        the cached document, so the history unit is present)."""
+        c = self.cfg
+        seg = ctx["segment_ids"]
+        mixed = self.mix_inputs(x_BKD)
+        rings = {p: cache[f"conv_{p}"].astype(mixed[p].dtype) for p in CONV_PARTS}
+        conv = self._block_conv_parts(mixed, seg, rings, ctx["ring_segment_ids"])
+        q, k, v = self.heads(conv)
+        b, bk = seg.shape
+        add_n = lambda a: a[:, None]  # noqa: E731  one block
+        same_doc = seg[:, :, None] == seg[:, None, :]
+        o, p_hist = pallas_kernels.block_readout_ref(
+            add_n(q), add_n(k), add_n(v), cache["state"][:, None], same_doc[:, None], add_n(ctx["continues"]),
+            self.bd_gdn_softmax_scalars[...], bk, return_history_prob=True)
+        real = (seg != 0)[:, :, None].astype(jnp.float32)  # 0 = the pad segment
+        share = jnp.sum(p_hist[:, 0] * real) / jnp.maximum(jnp.sum(real) * p_hist.shape[-1], 1.0)
+        return self.output(o[:, 0], mixed["z"], x_BKD.dtype), share
+
+
+class _ConvKernel(nnx.Module):
+    """Depthwise conv taps `kernel` [K, C]; tap K-1 multiplies the current token (HF weight[c, 0, j] =
+    kernel[j, c]). Block mode adds `right` [K-1, C] (zero init): tap d-1 multiplies the token d
+    positions AHEAD inside the block (HF `bd_gdn_conv_right_weight`[c, d-1] = right[d-1, c])."""
+
+    def __init__(self, k: int, channels: int, axis: str, *, rngs: nnx.Rngs, param_dtype: jnp.dtype,
+                 right: bool = False):
+        self.kernel = make_param(rngs, normal(0.2), (k, channels), ("conv_tap", axis), param_dtype)
+        if right:
+            self.right = make_param(rngs, constant(0.0), (k - 1, channels), ("conv_tap", axis), param_dtype)
+
+
+def _rows(values: tuple[float, ...]):
+    """Initializer: every row of an [H, len(values)] parameter equals `values`."""
+    return lambda key, shape, dtype: jnp.broadcast_to(jnp.asarray(values, dtype), shape)
+
+
+def _log_uniform(lo: float, hi: float):
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+        return jnp.log(jax.random.uniform(key, shape, jnp.float32, lo, hi)).astype(dtype)
+
+    return init
+
+
+def init_gdn_cache(cfg: ModelConfig, batch: int, dtype: jnp.dtype) -> dict[str, jax.Array]:
+    lring = cfg.linear_conv_kernel_dim - 1
+    h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return {
+        "state": jnp.zeros((batch, h, dk, dv), jnp.float32),
+        "conv_q": jnp.zeros((batch, lring, cfg.gdn_key_dim), dtype),
+        "conv_k": jnp.zeros((batch, lring, cfg.gdn_key_dim), dtype),
+        "conv_v": jnp.zeros((batch, lring, cfg.gdn_value_dim), dtype),
+    }

@@ -1,0 +1,418 @@
+"""Dropless mixture of experts with a sigmoid-gated shared expert (Qwen3.5 `SparseMoeBlock`).
+
+Router: fp32 softmax over all experts, top-k, renormalise the k weights to sum 1. Expert paths that
+compute the same function (`ModelConfig.moe_impl`):
+
+* `ragged`: sort the T*k assignments by expert and run grouped matmuls (`gmm`: `jax.lax.ragged_dot`
+  forward and input gradient, the weight gradient by `tgmm`: the megablox kernel on TPU, where
+  JAX's own transpose of `ragged_dot` would multiply every row by every local expert's mask); no
+  capacity, so no token is ever dropped;
+* `blocked`: the same sort, then each expert's group is padded to a multiple of a row block and the
+  blocks run as one batched matmul against their expert's weights (an XLA grouped matmul, the fast
+  path on CPU, where `ragged_dot` expands to a dense masked product);
+* `dense`: every token through every expert, weighted by a dense [T, E] combine matrix: the plain
+  reference (E/k times the FLOPs).
+
+`auto` picks `blocked` on CPU and `ragged` elsewhere.
+
+Expert parallelism (`experts_parallel`) takes over inside `sharding.use_sharding(mesh)` on a
+multi-device mesh: tokens stay sharded over the batch axes, experts over `expert`, and the
+dispatch is `ModelConfig.moe_dispatch` (ragged all-to-all or ring). Routing, the load-balancing
+loss and the per-expert counts are computed outside it on the global token set, so they are the
+same numbers with or without a mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from clover_jax.parallel import remat, sharding
+from clover_jax.config import ModelConfig
+from clover_jax.model.nn import Dense, dtype_of, make_param, normal
+
+
+def route(logits_TE: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> (probs_TE fp32 softmax, weights_TK renormalised top-k, experts_TK int32)."""
+    probs = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return probs, weights, experts.astype(jnp.int32)
+
+
+def load_balancing_loss(probs_TE: jax.Array, experts_TK: jax.Array, valid_T: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Switch-style loss `E * sum_e f_e P_e` over valid tokens (f_e: share of the T*k assignments that
+    go to e, P_e: mean router probability), and the per-expert assignment counts [E]."""
+    e = probs_TE.shape[-1]
+    w = valid_T.astype(jnp.float32)
+    counts = jnp.zeros((e,), jnp.float32).at[experts_TK].add(jnp.broadcast_to(w[:, None], experts_TK.shape))
+    n = jnp.maximum(jnp.sum(w), 1.0)
+    frac = counts / (n * experts_TK.shape[-1])
+    mean_prob = jnp.sum(probs_TE * w[:, None], axis=0) / n
+    return e * jnp.sum(frac * mean_prob), counts
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped expert FFN on rows already sorted by expert
+def _block_rows(n: int, e: int) -> int:
+    """Row block for the `blocked` path: about a quarter of the mean group size, in [8, 128], so the
+    padding (at most e * (block - 1) rows) stays a small fraction of the n real rows."""
+    target = max(8, min(128, n // (4 * e)))
+    return 1 << (target.bit_length() - 1)
+
+
+def _swiglu(h: jax.Array, u: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    return (jax.nn.silu(h) * u).astype(dtype)
+
+
+def _precision(dtype: jnp.dtype) -> jax.lax.Precision | None:
+    """bf16 operands: default precision, whatever the global setting (TPU's ragged-dot kernel
+    rejects an fp32 contract precision on bf16 inputs; the products are exact in bf16 anyway)."""
+    return None if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def tgmm(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, platform: str,
+         interpret: bool = False) -> jax.Array:
+    """Per-group `lhs[rows_g].T @ rhs[rows_g]` -> [G, K, N] fp32 (the weight gradient of a grouped
+    matmul). TPU: the megablox `tgmm` Pallas kernel (only each group's rows are multiplied; M is
+    zero-padded to its row tile). Elsewhere: JAX's transpose of `ragged_dot` (a masked dense
+    product: G times the FLOPs, fine for CPU tests)."""
+    g = group_sizes_G.shape[0]
+    m, k = lhs_MK.shape
+    n = rhs_MN.shape[1]
+    if platform == "tpu":
+        from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm as megablox_tgmm
+
+        tile = lambda dim: next((t for t in (512, 256, 128) if dim % t == 0), dim)  # noqa: E731
+        tm = 512 if m >= 512 else max(8, 1 << (m - 1).bit_length())
+        pad = -m % tm
+        lhs_p = jnp.pad(lhs_MK, ((0, pad), (0, 0)))
+        rhs_p = jnp.pad(rhs_MN.astype(lhs_MK.dtype), ((0, pad), (0, 0)))
+        tiling = (tm, tile(k), tile(n))
+        # the kernel's dots take the global matmul precision; Mosaic rejects fp32 contraction on bf16
+        prec = contextlib.nullcontext() if lhs_MK.dtype == jnp.float32 else jax.default_matmul_precision("default")
+        with prec:
+            return megablox_tgmm(lhs_p.T, rhs_p, group_sizes_G.astype(jnp.int32), jnp.float32, tiling,
+                                 interpret=interpret)
+    zero = jnp.zeros((g, k, n), lhs_MK.dtype)
+    _, vjp = jax.vjp(lambda w: jax.lax.ragged_dot(lhs_MK, w, group_sizes_G, preferred_element_type=jnp.float32,
+                                                  precision=_precision(lhs_MK.dtype)), zero)
+    return vjp(rhs_MN.astype(jnp.float32))[0].astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gmm(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, platform: str) -> jax.Array:
+    """Grouped matmul `out[rows_g] = lhs[rows_g] @ rhs[g]` (rows sorted by group; rows past the
+    groups give 0), [M, N] fp32. Custom VJP: JAX's own transpose computes the weight gradient as a
+    masked dense product over all G groups (on TPU too: G times the FLOPs); here it is `tgmm`."""
+    return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=jnp.float32,
+                              precision=_precision(lhs_MK.dtype))
+
+
+def _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, platform):
+    return gmm(lhs_MK, rhs_GKN, group_sizes_G, platform), (lhs_MK, rhs_GKN, group_sizes_G)
+
+
+def _gmm_bwd(platform, res, ct_MN):
+    lhs_MK, rhs_GKN, group_sizes_G = res
+    ct = ct_MN.astype(lhs_MK.dtype)
+    d_lhs = jax.lax.ragged_dot(ct, jnp.swapaxes(rhs_GKN, 1, 2), group_sizes_G, preferred_element_type=jnp.float32,
+                               precision=_precision(lhs_MK.dtype))
+    d_rhs = tgmm(lhs_MK, ct, group_sizes_G, platform)
+    return d_lhs.astype(lhs_MK.dtype), d_rhs.astype(rhs_GKN.dtype), None
+
+
+gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def grouped_ffn(xs_MD: jax.Array, group_sizes_G: jax.Array, wi_gate_GDI: jax.Array, wi_up_GDI: jax.Array,
+                wo_GID: jax.Array, impl: str, platform: str | None = None) -> jax.Array:
+    """SwiGLU expert g on rows [start_g, start_g + size_g) of `xs` (rows sorted by expert). Rows past
+    `sum(group_sizes)` (buffer padding) come out as exact zeros. Returns [M, D] fp32.
+
+    `impl`: "ragged" (`gmm`: `ragged_dot` with the `tgmm` weight gradient), "blocked" (padded row
+    blocks, static bound M + G*(blk-1) rows) or "dense" (every row through every expert, masked:
+    the reference). `platform` (default: JAX's backend) picks the `tgmm` implementation."""
+    m, d = xs_MD.shape
+    g = wi_gate_GDI.shape[0]
+    dt = xs_MD.dtype
+    ends = jnp.cumsum(group_sizes_G)
+    row = jnp.arange(m, dtype=jnp.int32)
+    valid = row < ends[-1]
+    if impl == "ragged":
+        platform = platform or jax.default_backend()
+        gs = group_sizes_G.astype(jnp.int32)
+        h, u = gmm(xs_MD, wi_gate_GDI, gs, platform), gmm(xs_MD, wi_up_GDI, gs, platform)
+        y = gmm(_swiglu(h, u, dt), wo_GID, gs, platform)
+        return jnp.where(valid[:, None], y, 0.0)
+    group = jnp.searchsorted(ends, row, side="right").astype(jnp.int32)  # G for padding rows
+    if impl == "dense":
+        onehot_MG = (group[:, None] == jnp.arange(g)[None]).astype(jnp.float32)
+        h = jnp.einsum("md,gdi->mgi", xs_MD, wi_gate_GDI, preferred_element_type=jnp.float32)
+        u = jnp.einsum("md,gdi->mgi", xs_MD, wi_up_GDI, preferred_element_type=jnp.float32)
+        y = jnp.einsum("mgi,gid->mgd", _swiglu(h, u, dt), wo_GID, preferred_element_type=jnp.float32)
+        return jnp.einsum("mgd,mg->md", y, onehot_MG)
+    if impl != "blocked":
+        raise ValueError(f"unknown grouped_ffn impl {impl!r}")
+    blk = _block_rows(m, g)
+    nb = -(-(m + g * (blk - 1)) // blk)
+    sizes = group_sizes_G.astype(jnp.int32)
+    padded = -(-sizes // blk) * blk
+    start, pstart = ends - sizes, jnp.cumsum(padded) - padded
+    gc = jnp.minimum(group, g - 1)
+    dest = jnp.where(valid, pstart[gc] + row - start[gc], nb * blk)  # row in the padded layout
+    xb = jnp.zeros((nb * blk, d), dt).at[dest].set(xs_MD, mode="drop").reshape(nb, blk, d)
+    # expert owning each block (trailing empty blocks reuse the last expert on zero rows)
+    block_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(nb) * blk, side="right"), g - 1)
+    h = jnp.einsum("bmd,bdi->bmi", xb, wi_gate_GDI[block_e], preferred_element_type=jnp.float32)
+    u = jnp.einsum("bmd,bdi->bmi", xb, wi_up_GDI[block_e], preferred_element_type=jnp.float32)
+    y = jnp.einsum("bmi,bid->bmd", _swiglu(h, u, dt), wo_GID[block_e], preferred_element_type=jnp.float32)
+    return jnp.take(y.reshape(nb * blk, d), dest, axis=0, mode="fill", fill_value=0.0)
+
+
+def combine(y_rows_ND: jax.Array, order_N: jax.Array, weights_TK: jax.Array) -> jax.Array:
+    """Rows in sorted order -> per-token weighted sum over the k choices, [T, D] fp32."""
+    t, k = weights_TK.shape
+    y = jnp.zeros(y_rows_ND.shape, jnp.float32).at[order_N].set(y_rows_ND.astype(jnp.float32))
+    return jnp.einsum("tkd,tk->td", y.reshape(t, k, -1), weights_TK.astype(jnp.float32))
+
+
+def experts_sorted(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EID, *, impl: str,
+                   platform: str | None = None) -> jax.Array:
+    """Sort the T*k assignments by expert, grouped FFN, unsort, combine: exact, dropless. [T, D] fp32."""
+    k = experts_TK.shape[1]
+    e = wi_gate_EDI.shape[0]
+    flat_e = experts_TK.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+    y = grouped_ffn(x_TD[order // k], sizes, wi_gate_EDI, wi_up_EDI, wo_EID, impl, platform)
+    return combine(y, order, weights_TK)
+
+
+def experts_ragged(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EID) -> jax.Array:
+    """Sorted grouped matmuls with `ragged_dot`. Returns [T, D] fp32."""
+    return experts_sorted(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EID, impl="ragged")
+
+
+def experts_blocked(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EID) -> jax.Array:
+    """Sorted grouped matmuls by padded row blocks. Returns [T, D] fp32."""
+    return experts_sorted(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EID, impl="blocked")
+
+
+def experts_dense(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EID) -> jax.Array:
+    """Reference: all experts on all tokens, combined with a dense [T, E] weight matrix."""
+    e = wi_gate_EDI.shape[0]
+    combine_TE = jnp.einsum("tk,tke->te", weights_TK, jax.nn.one_hot(experts_TK, e, dtype=jnp.float32))
+    h = jnp.einsum("td,edi->tei", x_TD, wi_gate_EDI, preferred_element_type=jnp.float32)
+    u = jnp.einsum("td,edi->tei", x_TD, wi_up_EDI, preferred_element_type=jnp.float32)
+    y = jnp.einsum("tei,eid->ted", _swiglu(h, u, x_TD.dtype), wo_EID, preferred_element_type=jnp.float32)
+    return jnp.einsum("ted,te->td", y, combine_TE)
+
+
+EXPERT_IMPLS = {"ragged": experts_ragged, "blocked": experts_blocked, "dense": experts_dense}
+DISPATCHES = ("ragged_a2a", "ring")
+
+
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    """`auto` -> `blocked` on CPU, `ragged` on accelerators (`platform` default: JAX's backend)."""
+    if impl == "auto":
+        return "blocked" if (platform or jax.default_backend()) == "cpu" else "ragged"
+    if impl not in EXPERT_IMPLS:
+        raise ValueError(f"unknown moe_impl {impl!r}; expected auto or one of {sorted(EXPERT_IMPLS)}")
+    return impl
+
+
+# ---------------------------------------------------------------------------------------------
+# expert parallelism (inside jax.shard_map)
+#
+# Buffers are sized for the worst case, never by a capacity factor (dropless): one device sends at
+# most `n * min(k, E_local)` rows to one expert rank (a token's k experts are distinct), so a rank
+# receives at most `ep * n * min(k, E_local)` rows (n = tokens per device). The exact per-chunk
+# sizes and offsets come from an all-gather of the per-(destination, expert) counts, so nothing is
+# computed on padding except the grouped matmul's buffer tail, which `grouped_ffn` zeroes.
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name, max_chunk: int):
+    """`jax.lax.ragged_all_to_all` semantics from a dense `all_to_all` of [peers, max_chunk] slabs,
+    for backends without the collective (XLA:CPU). `max_chunk` bounds every send size."""
+    n = operand.shape[0]
+    peers = input_offsets.shape[0]
+    col = jnp.arange(max_chunk, dtype=jnp.int32)[None, :]
+    src_rows = jnp.clip(input_offsets[:, None] + col, 0, n - 1)
+    keep = (col < send_sizes[:, None]).reshape((peers, max_chunk) + (1,) * (operand.ndim - 1))
+    slab = jnp.where(keep, operand[src_rows], 0)
+    slab = slab.reshape((peers * max_chunk,) + operand.shape[1:])
+    got = jax.lax.all_to_all(slab, axis_name, 0, 0, tiled=True).reshape((peers, max_chunk) + operand.shape[1:])
+    where_ = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # senders' offsets here
+    dest = jnp.where(col < recv_sizes[:, None], where_[:, None] + col, output.shape[0])
+    return output.at[dest.reshape(-1)].set(got.reshape((-1,) + operand.shape[1:]), mode="drop")
+
+
+def _a2a(real: bool, max_chunk: int, axis_name):
+    if real:
+        return lambda *a: jax.lax.ragged_all_to_all(*a, axis_name=axis_name)
+    return lambda *a: ragged_all_to_all_emulated(*a, axis_name=axis_name, max_chunk=max_chunk)
+
+
+def _dispatch_a2a(x_ND, w_NK, e_NK, wg, wu, wo, *, axes, ep: int, impl: str, platform: str) -> jax.Array:
+    """Tokens sharded over the expert axes: sort by expert, ragged all-to-all to the owning rank,
+    regroup by local expert, grouped FFN, all-to-all back, combine. [N, D] fp32."""
+    n, k = e_NK.shape
+    el, d = wg.shape[0], x_ND.shape[1]
+    rank = jax.lax.axis_index(axes)
+    flat_e = e_NK.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)  # by expert, hence by destination rank
+    counts = jnp.bincount(flat_e, length=ep * el).astype(jnp.int32).reshape(ep, el)  # [dst, local e]
+    everyone = jax.lax.all_gather(counts, axes)  # [src, dst, local e]
+    s_SD = everyone.sum(-1)
+    send_sizes = s_SD[rank]
+    recv_sizes = s_SD[:, rank]
+    cap = n * min(k, el)
+    a2a = _a2a(platform != "cpu", cap, axes)
+    recv = a2a(x_ND[order // k], jnp.zeros((ep * cap, d), x_ND.dtype), _exclusive_cumsum(send_sizes),
+               send_sizes, _exclusive_cumsum(s_SD, 0)[rank], recv_sizes)
+    # received rows: source-major, each source's rows sorted by local expert -> regroup by expert
+    mine = everyone[:, rank, :]  # [src, local e]
+    key = jnp.searchsorted(jnp.cumsum(mine.reshape(-1)), jnp.arange(ep * cap), side="right")
+    local_e = jnp.where(key < ep * el, key % el, el)
+    perm = jnp.argsort(local_e, stable=True)
+    y = grouped_ffn(recv[perm], mine.sum(0), wg, wu, wo, impl, platform)
+    y_recv = jnp.zeros_like(y).at[perm].set(y).astype(x_ND.dtype)
+    back = a2a(y_recv, jnp.zeros((n * k, d), x_ND.dtype), _exclusive_cumsum(recv_sizes), recv_sizes,
+               _exclusive_cumsum(s_SD, 1)[:, rank], send_sizes)
+    return combine(back, order, w_NK)
+
+
+def _dispatch_ring(x_ND, w_NK, e_NK, wg, wu, wo, *, axes, impl: str, platform: str, gather: bool) -> jax.Array:
+    """Ring of experts: all-gather the tokens over the expert axes (skipped when they are already
+    replicated there), run the local experts on their assignments, reduce-scatter (or psum) the
+    weighted outputs back. [N, D] fp32."""
+    dt = x_ND.dtype
+    if gather:
+        x_ND, w_NK, e_NK = (jax.lax.all_gather(a, axes, axis=0, tiled=True) for a in (x_ND, w_NK, e_NK))
+    n, k = e_NK.shape
+    el, d = wg.shape[0], x_ND.shape[1]
+    local_e = e_NK.reshape(-1) - jax.lax.axis_index(axes) * el
+    local_e = jnp.where((local_e >= 0) & (local_e < el), local_e, el)
+    sel = jnp.argsort(local_e, stable=True)[: n * min(k, el)]  # local assignments first
+    sizes = jnp.bincount(local_e, length=el + 1)[:el].astype(jnp.int32)
+    y = grouped_ffn(x_ND[sel // k], sizes, wg, wu, wo, impl, platform)
+    y_tok = jnp.zeros((n, d), jnp.float32).at[sel // k].add(y * w_NK.reshape(-1)[sel][:, None])
+    y_tok = y_tok.astype(dt)
+    if gather:
+        return jax.lax.psum_scatter(y_tok, axes, scatter_dimension=0, tiled=True).astype(jnp.float32)
+    return jax.lax.psum(y_tok, axes).astype(jnp.float32)
+
+
+def experts_parallel(x_BTD, weights_BTK, experts_BTK, wi_gate_EDI, wi_up_EDI, wo_EID, *,
+                     ctx: sharding.ShardingContext, impl: str = "auto", dispatch: str = "ragged_a2a") -> jax.Array:
+    """Routed experts under a mesh, [B, T, D] fp32.
+
+    Inside one `shard_map` over the whole mesh: tokens keep the `batch`/`length` sharding, expert
+    weights are split over the `experts` rule's axes (E/ep local experts) and their `expert_mlp`
+    dim over its axes (partial sums, psum'd at the end); the embed dim is gathered at the boundary
+    (FSDP). Tokens sharded over the expert axes go through `dispatch`; tokens replicated there
+    (a batch too small to split) run the local experts and psum. Without expert axes every device
+    runs all experts on its own tokens."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"unknown moe_dispatch {dispatch!r}; expected one of {DISPATCHES}")
+    mesh = ctx.mesh
+    b, t, d = x_BTD.shape
+    e, _, i = wi_gate_EDI.shape
+    tok = ctx.spec(("batch", "length"), (b, t), what="MoE tokens")
+    tok_axes = set(_axes_of(tok[0])) | set(_axes_of(tok[1]))
+    ep_axes = _axes_of(ctx.spec(("experts",), (e,), what="MoE experts")[0])
+    mlp_axes = tuple(a for a in _axes_of(ctx.spec(("expert_mlp",), (i,), what="MoE expert_mlp")[0])
+                     if a not in tok_axes and a not in ep_axes)
+    ep = 1
+    for a in ep_axes:
+        ep *= mesh.shape[a]
+    over_ep = [a in tok_axes for a in ep_axes]
+    if any(over_ep) and not all(over_ep):
+        raise NotImplementedError(f"tokens sharded over only some expert axes {ep_axes} (token axes {sorted(tok_axes)})")
+    platform = mesh.devices.flat[0].platform
+    impl = resolve_impl(impl, platform)
+    x_spec = jax.sharding.PartitionSpec(tok[0], tok[1], None)
+    e_ax, m_ax = (ep_axes or None), (mlp_axes or None)
+    w_in = jax.sharding.PartitionSpec(e_ax, None, m_ax)
+    w_out = jax.sharding.PartitionSpec(e_ax, m_ax, None)
+
+    def body(x, w, ex, wg, wu, wo):
+        bl, tl, _ = x.shape
+        k = ex.shape[-1]
+        args = (x.reshape(bl * tl, d), w.reshape(bl * tl, k), ex.reshape(bl * tl, k), wg, wu, wo)
+        if ep == 1:
+            y = (experts_dense(*args) if impl == "dense" else experts_sorted(*args, impl=impl, platform=platform))
+        elif not all(over_ep):
+            y = _dispatch_ring(*args, axes=ep_axes, impl=impl, platform=platform, gather=False)
+        elif dispatch == "ring":
+            y = _dispatch_ring(*args, axes=ep_axes, impl=impl, platform=platform, gather=True)
+        else:
+            y = _dispatch_a2a(*args, axes=ep_axes, ep=ep, impl=impl, platform=platform)
+        if mlp_axes:
+            y = jax.lax.psum(y, mlp_axes)
+        return y.reshape(bl, tl, d)
+
+    # check_vma=False: the megablox `tgmm` pallas_call declares no varying-axes type (and with
+    # check_vma=True, jax 0.10.2 also drops the psum from the cotangent of an invariant operand
+    # gathered with per-device indices: wrong token gradients when tokens are replicated over the
+    # expert axis). The output spec is honest: the body psums over every axis the tokens are
+    # replicated on and the weights are split over.
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, w_in, w_in, w_out), out_specs=x_spec,
+                       check_vma=False)
+    return fn(x_BTD, weights_BTK, experts_BTK, wi_gate_EDI, wi_up_EDI, wo_EID)
+
+
+class MoE(nnx.Module):
+    """Routed experts + shared expert: `moe(x) = sum_k w_k E_k(x) + sigmoid(x W_sg) S(x)`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd, dt = dtype_of(cfg.param_dtype), dtype_of(cfg.dtype)
+        d, e, i, si = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        kw = dict(rngs=rngs, param_dtype=pd, dtype=dt)
+        self.router = Dense(d, e, ("embed", "router_experts"), **kw)
+        self.wi_gate = make_param(rngs, normal(), (e, d, i), ("experts", "embed", "expert_mlp"), pd)
+        self.wi_up = make_param(rngs, normal(), (e, d, i), ("experts", "embed", "expert_mlp"), pd)
+        self.wo = make_param(rngs, normal(), (e, i, d), ("experts", "expert_mlp", "embed"), pd)
+        self.shared_gate_proj = Dense(d, si, ("embed", "mlp"), **kw)
+        self.shared_up_proj = Dense(d, si, ("embed", "mlp"), **kw)
+        self.shared_down_proj = Dense(si, d, ("mlp", "embed"), **kw)
+        self.shared_gate = Dense(d, 1, ("embed", None), **kw)
+        self.top_k, self.impl, self.dtype = cfg.num_experts_per_tok, cfg.moe_impl, dt
+        self.dispatch = getattr(cfg, "moe_dispatch", "ragged_a2a")
+
+    def __call__(self, x_BTD: jax.Array, ctx: dict[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [B, T, D] -> ([B, T, D], aux {"lb_loss": scalar, "expert_counts": [E]}).
+        `ctx["valid"]` [B, T] excludes pad tokens from the load statistics."""
+        b, t, d = x_BTD.shape
+        x = x_BTD.reshape(b * t, d).astype(self.dtype)
+        probs, weights, experts = route(self.router(x), self.top_k)
+        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        mesh_ctx = sharding.current()
+        if mesh_ctx is not None and mesh_ctx.mesh.size > 1:
+            k = self.top_k
+            routed = experts_parallel(
+                x.reshape(b, t, d), weights.reshape(b, t, k), experts.reshape(b, t, k),
+                w(self.wi_gate), w(self.wi_up), w(self.wo), ctx=mesh_ctx, impl=self.impl, dispatch=self.dispatch,
+            ).reshape(b * t, d)
+        else:
+            routed = EXPERT_IMPLS[resolve_impl(self.impl)](x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo))
+        shared = self.shared_down_proj(jax.nn.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
+        gate = jax.nn.sigmoid(self.shared_gate(x).astype(jnp.float32))
+        y = remat.tag(routed + gate * shared.astype(jnp.float32), remat.MOE_OUT)
+        lb, counts = load_balancing_loss(probs, experts, ctx["valid"].reshape(-1))
+        return y.astype(x_BTD.dtype).reshape(b, t, d), {"lb_loss": lb, "expert_counts": counts}

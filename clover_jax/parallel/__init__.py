@@ -1,0 +1,1 @@
+"""clover_jax.parallel: see docs/architecture.md."""

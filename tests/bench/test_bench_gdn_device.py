@@ -1,0 +1,61 @@
+"""bench/gdn_device.py, the prepared device check of the Pallas GDN kernels, in its --smoke mode.
+
+The script is meant to run once, unattended, on a lent GPU/TPU machine with minutes of budget; this
+runs the same code on CPU (kernels in interpret mode, tiny shapes) so that it cannot rot unnoticed.
+The oracle is the script's own comparison against ``backend="reference"``: the interpret-mode
+kernels must agree with it as tightly as the kernel tests demand (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
+
+
+def _gdn_device():
+    """bench/gdn_device.py as a module (bench/ on sys.path only while importing: it imports `common`)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gdn_device
+    finally:
+        sys.path.remove(str(BENCH))
+    return gdn_device
+
+
+def test_device_check_smoke_runs_both_ops_and_matches_the_reference(tmp_path):
+    gdn_device = _gdn_device()
+    out = tmp_path / "gdn_device.json"
+    report = gdn_device.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert [(r["T"], r["op"]) for r in report["rows"]] == [(256, "causal"), (256, "block")]
+    assert not report["skipped"]
+    causal, block = report["rows"]
+    assert set(causal["errors"]) == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "ds0"}
+    assert set(block["errors"]) >= {"o_clean", "o_noisy", "dqn", "dkn", "dvn", "dscalars"}
+    for r in report["rows"]:
+        for name, err in r["errors"].items():
+            assert err <= 1e-4, (r["op"], name, err)
+        assert set(r["time_s"]) == {f"{b}_{p}" for b in ("pallas", "reference") for p in ("fwd", "fwd_bwd")}
+        assert all(t > 0 for t in r["time_s"].values())
+
+
+def test_device_check_budget_skips_and_says_so(tmp_path):
+    gdn_device = _gdn_device()
+    report = gdn_device.main(["--smoke", "--budget-s", "-1", "--out", str(tmp_path / "r.json")])
+    assert report["rows"] == []
+    assert [(s["T"], s["op"]) for s in report["skipped"]] == [(256, "causal"), (256, "block")]
+
+
+def test_device_check_rejects_a_length_block_mode_cannot_take(capsys):
+    gdn_device = _gdn_device()
+    with pytest.raises(SystemExit):
+        gdn_device.main(["--seqs", "8192", "1000"])
+    assert "--seqs [1000]" in capsys.readouterr().err

@@ -1,0 +1,164 @@
+"""Memory planning: topology names, remat policies (on a function of our own), and the AOT compile
+of the (stand-in) train step for a small TPU slice through libtpu on this CPU machine."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clover_jax.parallel import remat
+from clover_jax.config import get_preset
+from clover_jax.parallel.sharding import MeshConfig
+from clover_jax.yaml_config import ConfigError
+from train.aot import CompileConfig, GiB, PlanError, check, parse_topology, plan
+
+
+def test_topology_names_map_to_chip_grids_and_hbm():
+    cases = {  # name -> (libtpu shape, chips, HBM GiB per chip)
+        "v5p-8": ("v5p:2x2x1", 4, 95), "v5p-64": ("v5p:2x4x4", 32, 95), "v5p-128": ("v5p:4x4x4", 64, 95),
+        "v6e-8": ("v6e:2x4", 8, 32), "v6e-256": ("v6e:16x16", 256, 32), "v5litepod-16": ("v5e:4x4", 16, 16),
+        "v4-32": ("v4:2x2x4", 16, 32), "v5p:4x4x8": ("v5p:4x4x8", 128, 95),
+    }
+    for name, (desc, chips, hbm) in cases.items():
+        t = parse_topology(name)
+        assert (t.desc, t.chips, t.hbm_bytes) == (desc, chips, hbm * GiB), name
+    for bad, msg in (("v5p-7", "multiple"), ("tpu9-8", "unknown TPU family"), ("v5p", "expected e.g.")):
+        with pytest.raises(ConfigError, match=msg):
+            parse_topology(bad)
+    with pytest.raises(ConfigError, match="compile.remat"):
+        CompileConfig(remat="dots")
+
+
+def _layer(x, w1, w2, w3, wb):
+    """A toy layer: a plain matmul (tanh after it), a batched matmul, and the two tagged outputs."""
+    h = jnp.tanh(x @ w1)  # dot [4, 5], no batch dims
+    a = remat.tag(h @ w2, remat.ATTN_OUT)  # [4, 7]
+    b = jnp.einsum("bij,bjk->bik", a.reshape(2, 2, 7), wb)  # batched dot [2, 2, 3]
+    return remat.tag(jnp.sin(b.reshape(4, 3)) + jnp.cos(a) @ w3, remat.MOE_OUT)  # [4, 3]
+
+
+def _saved_shapes(f, *args):
+    _, vjp = jax.vjp(f, *args)
+    return {tuple(r.shape) for r in jax.tree.leaves(vjp)}
+
+
+@pytest.mark.parametrize("policy,saved,recomputed", [
+    ("none", {(4, 5), (4, 7)}, set()),
+    ("full", set(), {(4, 5), (4, 7), (2, 2, 3), (4, 3)}),
+    ("dots_saveable", {(4, 5), (4, 7), (2, 2, 3)}, set()),
+    ("dots_with_no_batch_dims_saveable", {(4, 5), (4, 7)}, {(2, 2, 3)}),
+    ("save_moe_and_attn_out", {(4, 7)}, {(4, 5), (2, 2, 3)}),
+    ("save_dots_and_moe_out", {(4, 5), (4, 7)}, {(2, 2, 3)}),
+])
+def test_remat_policies_save_what_they_say(policy, saved, recomputed):
+    ks = jax.random.split(jax.random.key(0), 5)
+    shapes = ((4, 6), (6, 5), (5, 7), (7, 3), (2, 7, 3))
+    args = [jax.random.normal(k, s) for k, s in zip(ks, shapes)]
+    f = remat.apply(_layer, policy)
+    res = _saved_shapes(f, *args) - set(shapes)  # residuals other than the inputs
+    assert saved <= res and not (recomputed & res), res
+    loss = lambda g: lambda *a: jnp.sum(g(*a) ** 2)  # noqa: E731
+    ref = jax.grad(loss(_layer), argnums=tuple(range(5)))(*args)
+    for a, b in zip(jax.grad(loss(f), argnums=tuple(range(5)))(*args), ref):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_remat_names_and_context():
+    assert remat.resolve(True) == "full" and remat.resolve(False) == "none"
+    with pytest.raises(ValueError, match="did you mean 'dots_saveable'"):
+        remat.resolve("dots_savable")
+    assert remat.current() == "none"
+    with remat.use_policy("full"):
+        assert remat.current() == "full"
+    assert remat.current() == "none"
+
+
+def test_layer_stack_applies_the_configured_policy():
+    """The policy reaches the scanned layer stack: from the model config (`model.remat`), and the
+    `remat.use_policy` context overrides it. Measured by the residuals the backward would keep
+    (traced only): full < save_moe_and_attn_out < none."""
+    from flax import nnx
+
+    from clover_jax.model.clover_model import abstract_model
+
+    cfg = get_preset("tiny").replace(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    ids = jnp.zeros((2, 16), jnp.int32)
+
+    def residual_bytes(policy, context=None):
+        gd, state = nnx.split(abstract_model(cfg.replace(remat=policy)))
+        f = lambda p: nnx.merge(gd, p).hidden_states(ids)[0]  # noqa: E731
+        with remat.use_policy(context) if context else contextlib.nullcontext():
+            res = jax.eval_shape(lambda p: jax.vjp(f, p)[1], state)
+        return sum(int(np.prod(r.shape)) * r.dtype.itemsize for r in jax.tree.leaves(res))
+
+    none, saved, full = (residual_bytes(p) for p in ("none", "save_moe_and_attn_out", "full"))
+    assert full < saved < none, (full, saved, none)
+    assert residual_bytes("none", context="full") == full
+    with pytest.raises(Exception, match="remat: unknown policy 'dots'"):
+        cfg.replace(remat="dots")
+
+
+# The recipe's real SFT step (configs/agent_mix.yaml: two-stream forward, masked-diffusion loss,
+# backward, adamw with bf16 mu, 2-micro-batch accumulation) at small widths: 2 layers of the bench
+# preset (TPU-tile multiples, so layout padding stays small). The 35B compile itself takes minutes
+# on 2 cores (the closing note of issue 5 has its tables); the program's structure is the same.
+SMALL_RECIPE = ["model.preset=small-cpu", "model.num_hidden_layers=2",
+                "model.layer_types=[linear_attention,full_attention]", "data.seq_len=128", "data.batch_size=8",
+                "train.micro_batches=2", "mesh.fsdp=2", "mesh.expert=2", "loss.chunk_tokens=256"]
+
+
+def test_compile_plans_the_recipe_sft_step_for_a_small_slice():
+    """On v5p-8 with (fsdp=2, expert=2): it fits; the argument bytes are the per-chip shards of the
+    fp32 params + adam mu (bf16) / nu (fp32) from the rule table + the batch, up to TPU layout
+    padding; the program holds the real TPU ragged-all-to-all, ragged dots, the megablox tgmm
+    weight gradient and the Pallas (Mosaic) GDN kernels of both streams."""
+    from flax import nnx
+
+    import launch
+    from clover_jax.model.clover_model import abstract_model
+    from clover_jax.parallel.sharding import make_mesh, param_shardings
+    from sft.config import load_sft_config, model_config_from
+    from train.aot import topology_devices
+
+    (p,) = launch._sft_compile_plans("configs/agent_mix.yaml", SMALL_RECIPE, ["v5p-8"])
+    assert check(p) is p and p.fits and p.compiled
+    assert p.mesh_shape == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert (p.micro_batches, p.micro_batch, p.seq_len, p.remat) == (2, 4, 128, "full")
+    mcfg = model_config_from(load_sft_config("configs/agent_mix.yaml", SMALL_RECIPE).model, None)
+    model = abstract_model(mcfg)
+    shard = param_shardings(model, make_mesh(MeshConfig(fsdp=2, expert=2), topology_devices(parse_topology("v5p-8"))))
+    exact = 8 * 128 * (3 * 4 + 1) // 4  # ids, segments, positions (int32), loss mask (bool): rows over 4 chips
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        node = shard
+        for key in path:
+            node = node[key]
+        exact += (4 + 2 + 4) * int(np.prod(node.shard_shape(var.get_value().shape)))  # fp32 value, bf16 mu, fp32 nu
+    assert exact <= p.argument_bytes <= 1.05 * exact, (p.argument_bytes, exact)
+    assert 0 < p.temp_bytes < GiB
+    hlo = p.executable.as_text()
+    # the real collective, ragged dots, and the expert weight gradients from the megablox tgmm
+    # kernel (JAX's own transpose would be a dense masked product over all local experts)
+    assert "ragged-all-to-all" in hlo and "ragged-dot" in hlo and "tgmm" in hlo
+    assert "gdn_block_fwd" in hlo and "gdn_block_bwd" in hlo
+    # both streams' attention through the splash kernels, forward and backward (attn_backend auto -> splash)
+    assert "splash_mha_fwd" in hlo and "splash_mha_dkv" in hlo and "splash_mha_dq" in hlo
+    # XLA's count leaves out the Pallas/Mosaic kernels, so it is only bounded above by the model
+    assert 0 < p.flops_per_chip * p.topology.chips < 4 * p.model_flops
+    assert "fits" in p.table() and "SFT step" in p.table()
+
+
+def test_cli_reports_a_step_that_does_not_fit(capsys):
+    """Dense full attention (the jnp reference: splash would fit) over 32k tokens x 4 rows per chip of
+    a 16 GiB v5e chip: the planner says it does not fit, how much it needs, and what to try; the CLI
+    exits 1."""
+    import launch
+
+    rc = launch.main(["compile", "--topology", "v5litepod-4", "model.preset=tiny", "model.num_hidden_layers=2",
+                      "model.layer_types=[full_attention,full_attention]", "model.dtype=bfloat16", "model.attn_backend=reference",
+                      "compile.seq_len=32768", "compile.micro_batch=16", "compile.remat=none", "mesh.fsdp=4"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "DOES NOT FIT" in err and "GiB per chip but a v5e chip has 16 GiB" in err
+    assert "compile.remat=full" in err and "compile.micro_batch=4" in err
