@@ -1,6 +1,6 @@
 """Tiny random HF Qwen3.5-MoE checkpoints for bridge and parity tests (torch + transformers).
 
-Import as ``from tests.hf_fixtures import ...`` (pytest puts tests/ on sys.path; there is no tests package).
+Import as ``from tests.hf_fixtures import ...`` (tests/ is a package; pytest puts the repository root on sys.path).
 
 Writers are independent of our own safetensors code (they use `safetensors.torch` directly), so a
 test that reads their output with `clover_jax` checks our reader against files HF-style tools make.

@@ -1,6 +1,6 @@
 """Helpers for parity tests against transformers' `Qwen3_5MoeForCausalLM` (tests/model/test_parity_hf.py).
 
-Import as ``from tests.model.parity_utils import ...`` (pytest puts tests/ on sys.path).
+Import as ``from tests.model.parity_utils import ...`` (tests/ is a package; pytest puts the repository root on sys.path).
 
 * `rel_err` / `assert_rel_close`: the suite's one criterion for fp32 equality,
   `max|ours - ref| <= rel * max|ref|`, with a failure message that says where the worst element is.
