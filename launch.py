@@ -231,9 +231,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from clover_jax.decoding.calibrate import load_calibrate_config, run_calibrate
     from clover_jax.decoding.generator import DecodeError
+    from sft.data.synthetic import generate_record  # launch owns the wiring: decoding never imports sft
 
     try:
-        return run_calibrate(load_calibrate_config(args.config, args.overrides))
+        return run_calibrate(load_calibrate_config(args.config, args.overrides), generate_record=generate_record)
     except DecodeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

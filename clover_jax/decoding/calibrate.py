@@ -26,7 +26,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -108,12 +108,19 @@ class EvalExample:
     expects_call: bool
 
 
-def eval_records(cfg: EvalSetConfig, locations: list[str] | None = None) -> list[dict[str, Any]]:
-    """The eval records; `locations`, when given, gets each one's `file:line` (for errors)."""
+RecordGenerator = Callable[[int, int], dict[str, Any]]  # (index, seed) -> one chat record
+
+
+def eval_records(cfg: EvalSetConfig, locations: list[str] | None = None, *,
+                 generate_record: RecordGenerator | None = None) -> list[dict[str, Any]]:
+    """The eval records; `locations`, when given, gets each one's `file:line` (for errors).
+    `source: synthetic` draws from `generate_record` (the SFT synthetic generator, handed in by the
+    caller: decoding must not import the SFT recipe, docs/architecture.md)."""
     locs = locations if locations is not None else []
     if cfg.source == "synthetic":
-        from sft.data.synthetic import generate_record
-
+        if generate_record is None:
+            raise DecodeError("eval.source=synthetic needs a record generator (launch.py calibrate passes "
+                              "sft.data.synthetic.generate_record); use eval.source=jsonl with eval.path otherwise")
         out, i = [], 0
         while len(out) < cfg.n and i < 100 * cfg.n + 100:
             rec = generate_record(i, cfg.seed)
@@ -332,7 +339,8 @@ def _fmt(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def run_calibrate(cfg: CalibrateConfig) -> int:
+def run_calibrate(cfg: CalibrateConfig, *, generate_record: RecordGenerator | None = None) -> int:
+    """The sweep; `generate_record` serves `eval.source: synthetic` (see `eval_records`)."""
     from clover_jax.decoding.cli import load_checkpoint
 
     if not cfg.checkpoint:
@@ -345,7 +353,7 @@ def run_calibrate(cfg: CalibrateConfig) -> int:
     if mcfg.mode != "block" or mcfg.mask_token_id is None:
         raise DecodeError(f"{cfg.checkpoint}: calibrate needs a block-diffusion checkpoint with a mask token")
     locations: list[str] = []
-    records = eval_records(cfg.eval, locations)
+    records = eval_records(cfg.eval, locations, generate_record=generate_record)
     examples = build_examples(tok, records, locations)
     if not examples:
         raise DecodeError("calibrate: the eval set is empty")
