@@ -6,7 +6,6 @@ is the scanned stack with embedding, lm_head and loss (bench/forward.py's own me
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import jax
@@ -16,16 +15,7 @@ from flax import nnx
 
 from clover_jax import moe as moe_lib
 from clover_jax.model import create_model
-
-
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from forward import timeit as _best  # bench/ is on sys.path when forward.py runs
 
 
 def _jax_pair(module: nnx.Module, fn: Callable, x: jax.Array, repeats: int) -> tuple[float, float]:
