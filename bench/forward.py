@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--moe-impl", default=None, help="override cfg.moe_impl (ragged|dense)")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--fwd-only", action="store_true", help="skip fwd+bwd")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print fwd and fwd+bwd per module (bench/forward_breakdown.py), ours vs torch")
     args = ap.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")
     cfg = get_preset(args.preset)
@@ -140,6 +142,10 @@ def main() -> None:
     if len(rows) == 2:
         print(f"\nratio clover_jax / transformers: fwd {rows[1][1] / rows[0][1]:.2f}x, "
               f"fwd+bwd {rows[1][2] / rows[0][2]:.2f}x")
+    if args.breakdown:
+        from forward_breakdown import print_breakdown
+
+        print_breakdown(cfg, ids, args.repeats, args.skip_torch)
 
 
 if __name__ == "__main__":
