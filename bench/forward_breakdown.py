@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax import moe as moe_lib
-from clover_jax.model import create_model
+from clover_jax.model import moe as moe_lib
+from clover_jax.model.clover_model import create_model
 from forward import timeit as _best  # bench/ is on sys.path when forward.py runs
 
 
