@@ -227,11 +227,25 @@ class SFTSetup:
             out[k] = jax.make_array_from_process_local_data(s, v, global_shape)
         return out
 
+    @property
+    def end_pad_id(self) -> int:
+        """The target of the slots after a response's end (`noise.after_end: pad`): the data's pad id.
+        An abstract setup (`launch.py compile`) has no data: the model's pad (or first EOS) id stands
+        in, since the id is a constant of the program and any id compiles the same step."""
+        if self.data is not None:
+            return int(self.data.pad_id)
+        m = self.model_cfg
+        eos = m.eos_token_id[0] if isinstance(m.eos_token_id, tuple) else m.eos_token_id
+        pad = m.pad_token_id if m.pad_token_id is not None else eos
+        if pad is None:
+            raise ValueError("SFTSetup without data needs model pad_token_id or eos_token_id for noise.after_end: pad")
+        return int(pad)
+
     def loss_fn(self, block_size: int) -> Callable:
         c = self.cfg
         lb = c.loss.lb_coef if c.loss.lb_coef is not None else self.model_cfg.router_aux_loss_coef
         return make_sft_loss(self.graphdef, block_size=block_size, mask_token_id=int(self.model_cfg.mask_token_id),
-                             noise=c.noise, loss=c.loss, lb_coef=lb, end_pad_id=int(self.data.pad_id))
+                             noise=c.noise, loss=c.loss, lb_coef=lb, end_pad_id=self.end_pad_id)
 
     @property
     def compute_dtype(self) -> str | None:

@@ -118,7 +118,8 @@ def test_model_sft_loss_and_grads_with_splash_equal_reference():
     outs = []
     for backend in ("reference", "splash"):
         graphdef, _ = nnx.split(create_model(cfg.replace(attn_backend=backend), 0))
-        loss_fn = make_sft_loss(graphdef, block_size=bk, mask_token_id=mask_id, noise=noise, loss=lcfg, lb_coef=0.01)
+        loss_fn = make_sft_loss(graphdef, block_size=bk, mask_token_id=mask_id, noise=noise, loss=lcfg, lb_coef=0.01,
+                                end_pad_id=1)
         f = jax.value_and_grad(lambda p: loss_fn(p, batch, key)[0])
         g = jax.jit(lambda p, ids, s, gd=graphdef: (f(p), nnx.merge(gd, p)(ids, segment_ids=s)))
         outs.append(g.lower(params, batch["input_ids"], batch["segment_ids"]).compile(compiler_options=fast)(
