@@ -2,7 +2,11 @@
 (`python bench/forward.py --breakdown`). Each module runs alone as its own jitted function on a
 random input [B, T, D]; fwd+bwd is the gradient of `sum(out * cotangent)` w.r.t. the module's
 parameters and its input (what the module costs inside the full backward). The `full model` row
-is the scanned stack with embedding, lm_head and loss (bench/forward.py's own measurement)."""
+is the scanned stack with embedding, lm_head and loss (bench/forward.py's own measurement).
+
+Known limit: the torch modules run right after JAX in the same process and their per-module times
+are not yet believable (e.g. rmsnorm tens of ms); the whole-model torch row is. Run torch in its own
+process before drawing per-module conclusions from the torch column."""
 
 from __future__ import annotations
 
