@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -320,14 +321,34 @@ def trained_checkpoint(task: TinyTaskConfig = TinyTaskConfig()) -> Path:
     return final / "hf"
 
 
-def eval_records(n: int, seed: int = EVAL_SEED) -> list[dict]:
-    """Held-out chat records (another stream of the task generator than the training one)."""
-    return task_records(n, seed)
+def prompt_key(rec: dict) -> str:
+    """What the model is shown for `rec` (prompt messages + offered tools), as a comparable string."""
+    prompt, _, tools = split_example(rec)
+    return json.dumps([prompt, tools], sort_keys=True)
+
+
+@functools.lru_cache(maxsize=4)
+def train_prompt_keys(task: TinyTaskConfig = TinyTaskConfig()) -> frozenset[str]:
+    """The prompts of `task`'s training stream (the generator repeats prompts, ~20% of EVAL_SEED's)."""
+    return frozenset(prompt_key(r) for r in task_records(task.n_train, task.data_seed))
+
+
+def eval_records(n: int, seed: int = EVAL_SEED, task: TinyTaskConfig = TinyTaskConfig()) -> list[dict]:
+    """The first `n` records of generator stream `seed` whose prompt is not among `task`'s training
+    prompts: held out for real (the training stream and so the trained model are unchanged)."""
+    if seed == task.data_seed:
+        raise ValueError(f"eval seed {seed} is the training stream's seed")
+    train, out, i = train_prompt_keys(task), [], 0
+    while len(out) < n:
+        rec, i = task_record(i, seed), i + 1
+        if prompt_key(rec) not in train:
+            out.append(rec)
+    return out
 
 
 def tool_call_records(n: int, seed: int = EVAL_SEED) -> list[dict]:
     """The first `n` held-out records (every first assistant turn of the task is a tool call)."""
-    return task_records(n, seed)
+    return eval_records(n, seed)
 
 
 def write_eval_jsonl(path: Path, n: int = 16, seed: int = EVAL_SEED) -> Path:

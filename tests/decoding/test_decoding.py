@@ -27,7 +27,8 @@ from clover_jax.decoding.metrics import tool_call_validity
 from clover_jax.decoding.rules import choose_tokens, commit_mask, filter_logits, repetition_penalty
 from clover_jax.model.clover_model import create_model
 from clover_jax.bridge.tokenizer import load_tokenizer
-from tests.decode_fixtures import encode_example, eval_records, tool_call_records, trained_checkpoint
+from tests.decode_fixtures import (TinyTaskConfig, encode_example, eval_records, task_records, tool_call_records,
+                                   trained_checkpoint)
 
 MAX_NEW = 48
 BUCKET = 16  # every test decodes 16-row batches (dummy rows pad): the tests share compiled programs
@@ -54,6 +55,18 @@ def prompts() -> tuple[tuple[int, ...], ...]:
     _, _, tok = trained()
     out = [tuple(encode_example(tok, r)[0]) for r in eval_records(6)]
     return tuple(sorted(out, key=len)[::2])
+
+
+def test_held_out_prompts_are_not_training_prompts():
+    """The held-out records' requests + offered tools never occur in the training stream (the
+    generator repeats them, so the eval stream must be de-duplicated against it)."""
+    task = TinyTaskConfig()
+    seen = {(r["messages"][0]["content"], tuple(t["function"]["name"] for t in r["tools"]))
+            for r in task_records(task.n_train, task.data_seed)}
+    held = eval_records(64)
+    assert len(held) == 64 and held[:16] == tool_call_records(16)
+    assert not [r for r in held
+                if (r["messages"][0]["content"], tuple(t["function"]["name"] for t in r["tools"])) in seen]
 
 
 def dcfg(**kw) -> DecodeConfig:

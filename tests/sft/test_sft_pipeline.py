@@ -151,6 +151,18 @@ def test_shards_split_documents(tok, mix_cfg, data):
     halves = [take(it, 2) for it in its]
     assert all(b["input_ids"].shape == (BATCH // 2, SEQ) for h in halves for b in h)
     assert its[0].get_state()["next_doc"] > 0
+    # One finite pass per shard: the shards' documents are disjoint (host i reads global documents
+    # i, i+2, ...) and together they are exactly the documents of the unsharded pass, piece for piece.
+    def pieces(it):
+        return [(p.ref[0], p.ref[1], tuple(p.ids.tolist())) for _ in it for row in it.last_rows
+                for p in row]
+    whole = pieces(data.eval_iterator())
+    per_shard = [pieces(data.eval_iterator(shard_index=i, shard_count=2)) for i in range(2)]
+    docs = [{d for d, _, _ in s} for s in per_shard]
+    assert docs[0] and docs[1] and not docs[0] & docs[1]
+    assert all(d % 2 == i for i in range(2) for d in docs[i])
+    assert sorted(per_shard[0] + per_shard[1]) == sorted(whole)
+    assert {d for d, _, _ in whole} == set(range(len(data.eval_docs)))  # no document lost
     with pytest.raises(ConfigError, match="batch_size"):
         data.train_iterator(shard_index=0, shard_count=3)
 
