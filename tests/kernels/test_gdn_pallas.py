@@ -86,8 +86,8 @@ def loss_and_grads(fn, x, seg, C, cast=None):
 def hf_per_document(x, rows, C):
     """transformers' torch chunked GDN on every document separately (only the first run of a row
     inherits the initial state): the packed-row oracle, independent of our segment logic."""
-    torch = pytest.importorskip("torch")
-    hf = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    import torch  # a declared test dependency: a missing one fails loudly, never skips
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as hf
     hf_chunk = inspect.unwrap(hf.torch_chunk_gated_delta_rule)
     torch.set_num_threads(1)  # tiny per-document calls: threads only contend on the shared CPU
     B, T, H, DV = x["v"].shape
