@@ -89,35 +89,40 @@ def visible(cfg: FlashConfig, tq: int, q_slot, q_seg, kv_idx, kv_seg):
     return same & ((kv < s) | ((kv >= s + tq) & (kv < s + (tq + cfg.block_size))))
 
 
-def key_tile_ranges(cfg: FlashConfig, tq: int, qs, bq: int, bk: int, min_first):
-    """[(lo, hi), ...] key-tile ranges a query tile [qs, qs + bq) visits; ``min_first`` = the least
-    first slot of its queries' documents. Works on Python ints and traced scalars."""
+def key_tile_ranges(cfg: FlashConfig, tq: int, qs, bq: int, bk: int, q_first):
+    """[(lo, hi), ...] key-tile ranges a query tile [qs, qs + bq) visits; ``q_first`` [bq]: the first
+    slot of each query's segment id. Works on traced values and on NumPy / Python ints."""
     n_clean = tq // bk
-    lo = _div(min_first, bk)
     if cfg.stream == "clean":
-        return [(lo, _cdiv(qs + bq, bk))]
+        return [(_div(jnp.min(q_first), bk), _cdiv(qs + bq, bk))]
     bs = cfg.block_size
+    start = _start(qs + jnp.arange(bq, dtype=jnp.int32), bs)
+    sees_clean = q_first < start  # a query sees clean keys [first, start) of its document
+    clean = (_div(jnp.min(jnp.where(sees_clean, q_first, tq)), bk),
+             _cdiv(jnp.max(jnp.where(sees_clean, start, 0)), bk))
     st_first, st_last = _start(qs, bs), _start(qs + bq - 1, bs)
-    clean = (lo, _cdiv(st_last, bk))  # clean keys strictly before the last query's block start
     noisy = (n_clean + _div(st_first, bk), n_clean + jnp.minimum(_cdiv(st_last + bs, bk), n_clean))
     return [clean, noisy]
 
 
-def query_tile_range(cfg: FlashConfig, tq: int, ks, bk: int, bq: int, max_last):
-    """(lo, hi) query tiles a key tile [ks, ks + bk) visits; ``max_last`` = the greatest last query
-    slot of its keys' documents."""
+def query_tile_range(cfg: FlashConfig, tq: int, ks, bk: int, bq: int, kv_last):
+    """(lo, hi) query tiles a key tile [ks, ks + bk) visits; ``kv_last`` [bk]: the last query slot
+    of each key's segment id."""
     nq = tq // bq
-    hi_doc = jnp.minimum(_div(max_last, bq) + 1, nq)
-    if cfg.stream == "clean":
-        return _div(ks, bq), hi_doc
+    if cfg.stream == "clean":  # key k: queries [k, last]
+        return _div(ks, bq), jnp.minimum(_div(jnp.max(kv_last), bq) + 1, nq)
     bs = cfg.block_size
-    # clean key: queries whose block starts after it; noisy key: queries of its block
-    lo_c = _div((_div(ks, bs) + 1) * bs, bq)
+    kv = ks + jnp.arange(bk, dtype=jnp.int32)
+    # clean key k: queries [next block start, last] of its document; noisy key: queries of its block
+    after = _start(kv, bs) + bs
+    seen = after <= kv_last
+    lo_c = _div(jnp.min(jnp.where(seen, after, tq)), bq)
+    hi_c = jnp.minimum(_div(jnp.max(jnp.where(seen, kv_last, -bq)), bq) + 1, nq)
     slot = ks - tq
     lo_n = _div(_start(slot, bs), bq)
     hi_n = jnp.minimum(_cdiv(_start(slot + bk - 1, bs) + bs, bq), nq)
     noisy = ks >= tq
-    return jnp.where(noisy, lo_n, lo_c), jnp.where(noisy, hi_n, hi_doc)
+    return jnp.where(noisy, lo_n, lo_c), jnp.where(noisy, hi_n, hi_c)
 
 
 def _dot(a, b, contract: tuple[int, int]):
@@ -155,7 +160,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, q_first_ref, o_ref, 
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
     carry = (jnp.zeros(q.shape, f32), jnp.full((bq,), -jnp.inf, f32), jnp.zeros((bq,), f32))
-    for lo, hi in key_tile_ranges(cfg, tq, qs, bq, bk, jnp.min(q_first_ref[rows])):
+    for lo, hi in key_tile_ranges(cfg, tq, qs, bq, bk, q_first_ref[rows]):
         carry = lax.fori_loop(lo, hi, body, carry)
     acc, m, l = carry
     l = jnp.where(l == 0.0, 1.0, l)  # a query with no visible key (never a real token): output 0
@@ -200,7 +205,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
         return dq + _dot(ds.astype(k.dtype), k, (1, 0))
 
     dq = jnp.zeros(q.shape, f32)
-    for lo, hi in key_tile_ranges(cfg, tq, qs, bq, bk, jnp.min(q_first_ref[rows])):
+    for lo, hi in key_tile_ranges(cfg, tq, qs, bq, bk, q_first_ref[rows]):
         dq = lax.fori_loop(lo, hi, body, dq)
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
@@ -213,7 +218,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
     cols = pl.ds(ks, bk)
     k, v, kv_seg = k_ref[...], v_ref[...], kv_seg_ref[cols]
     kv_idx = ks + jnp.arange(bk, dtype=jnp.int32)
-    lo, hi = query_tile_range(cfg, tq, ks, bk, bq, jnp.max(kv_last_ref[cols]))
+    lo, hi = query_tile_range(cfg, tq, ks, bk, bq, kv_last_ref[cols])
 
     def head(g, carry):
         def body(i, carry):
