@@ -112,7 +112,8 @@ def flash_attention(
         block_size: the noisy stream's row-grid block (T must be a multiple); unused for "clean".
         interpret: None = Triton on GPU, the interpreter elsewhere; True / False force one.
         mesh, batch_axes, head_axes: as for the GDN kernels; the head axes must divide K.
-        config: tiles and launch parameters (``FlashConfig``; its stream / block / scale are set here).
+        config: tiles and launch parameters (default ``FlashConfig.for_dtype(q.dtype)``; its stream /
+            block / scale are set here).
 
     Returns:
         [B, T, H, D] in q's dtype (fp32 softmax statistics and accumulation).
@@ -130,7 +131,7 @@ def flash_attention(
         raise ValueError(f"flash_attention: length {t} is not a multiple of block_size {block_size}")
     if segment_ids_BT.shape != (b, t):
         raise ValueError(f"flash_attention: segment_ids {segment_ids_BT.shape} must be [B, T] = {(b, t)}")
-    cfg = dataclasses.replace(config or FlashConfig(), stream=stream, scale=d ** -0.5,
+    cfg = dataclasses.replace(config or FlashConfig.for_dtype(q_BTHD.dtype), stream=stream, scale=d ** -0.5,
                               block_size=block_size if stream == "noisy" else 1)
     mult = cfg.tile_multiple()
     tp = -(-t // mult) * mult
