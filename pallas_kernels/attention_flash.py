@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import gdn_sharding
 from .attention_flash_kernels import FlashConfig, Stream, backward_calls, forward_call
-from .attention_splash import LANE_PAD_SEGMENT
+from .attention_layout import check_stream_inputs, pad_stream_rows
 
 f32 = jnp.float32
 
@@ -119,37 +119,16 @@ def flash_attention(
         [B, T, H, D] in q's dtype (fp32 softmax statistics and accumulation).
     """
     b, t, h, d = q_BTHD.shape
-    s, kv = k_BSKD.shape[1], k_BSKD.shape[2]
-    if stream not in ("clean", "noisy"):
-        raise ValueError(f"flash_attention: stream must be 'clean' or 'noisy', got {stream!r}")
-    if h % kv:
-        raise ValueError(f"flash_attention: {h} query heads are not a multiple of {kv} KV heads")
-    if s != (t if stream == "clean" else 2 * t) or v_BSKD.shape != k_BSKD.shape:
-        raise ValueError(f"flash_attention: {stream} stream with {t} queries needs k and v of "
-                         f"{t if stream == 'clean' else 2 * t} keys, got k {k_BSKD.shape}, v {v_BSKD.shape}")
-    if stream == "noisy" and t % block_size:
-        raise ValueError(f"flash_attention: length {t} is not a multiple of block_size {block_size}")
-    if segment_ids_BT.shape != (b, t):
-        raise ValueError(f"flash_attention: segment_ids {segment_ids_BT.shape} must be [B, T] = {(b, t)}")
+    kv = k_BSKD.shape[2]
+    check_stream_inputs("flash_attention", q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream, block_size)
     cfg = dataclasses.replace(config or FlashConfig.for_dtype(q_BTHD.dtype), stream=stream, scale=d ** -0.5,
                               block_size=block_size if stream == "noisy" else 1)
     mult = cfg.tile_multiple()
-    tp = -(-t // mult) * mult
+    q, k, v, seg, kv_seg = pad_stream_rows(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream, -(-t // mult) * mult)
     dp = max(16, 1 << (d - 1).bit_length())
-
-    def pad(x, fill=0):  # [B, T, ...] -> [B, Tp, ...], and the head dim to dp
-        widths = ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 3) + ((0, dp - d),) * (x.ndim > 2)
-        return jnp.pad(x, widths, constant_values=fill)
-
-    seg = pad(segment_ids_BT.astype(jnp.int32), LANE_PAD_SEGMENT)
+    q, k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, dp - d),)) for x in (q, k, v))
     first, last = doc_extents(seg)
-    q = pad(q_BTHD)
-    if stream == "clean":
-        k, v, kv_seg, kv_last = pad(k_BSKD), pad(v_BSKD), seg, last
-    else:
-        halves = lambda x: jnp.concatenate([pad(x[:, :t]), pad(x[:, t:])], axis=1)  # noqa: E731
-        k, v = halves(k_BSKD), halves(v_BSKD)
-        kv_seg, kv_last = jnp.concatenate([seg, seg], 1), jnp.concatenate([last, last], 1)
+    kv_last = last if stream == "clean" else jnp.concatenate([last, last], axis=1)
     args = (q, k.astype(q.dtype), v.astype(q.dtype), seg, kv_seg, first, kv_last)
     core = _core(cfg, interpret)
     mesh = gdn_sharding.active_mesh(mesh)

@@ -9,28 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
-import sys
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
-
-
-def _attention_gpu():
-    """bench/attention_gpu.py as a module (bench/ on sys.path only while importing: it imports `common`)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import attention_gpu
-    finally:
-        sys.path.remove(str(BENCH))
-    return attention_gpu
+from tests.bench.bench_import import bench_module  # noqa: E402
 
 
 def test_device_check_smoke_matches_the_reference_and_times_both(tmp_path):
-    attention_gpu = _attention_gpu()
+    attention_gpu = bench_module("attention_gpu")
     out = tmp_path / "attention_gpu.json"
     report = attention_gpu.main(["--smoke", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
@@ -45,7 +33,7 @@ def test_device_check_smoke_matches_the_reference_and_times_both(tmp_path):
 
 
 def test_device_check_skips_a_reference_that_would_not_fit_and_what_the_budget_leaves_out(tmp_path):
-    attention_gpu = _attention_gpu()
+    attention_gpu = bench_module("attention_gpu")
     report = attention_gpu.main(["--smoke", "--no-model", "--dense-max-gib", "0", "--check-max-t", "0",
                                  "--out", str(tmp_path / "r.json")])
     [row] = report["rows"]
@@ -58,7 +46,7 @@ def test_device_check_skips_a_reference_that_would_not_fit_and_what_the_budget_l
 
 
 def test_device_check_rejects_a_length_off_the_block_grid(capsys):
-    attention_gpu = _attention_gpu()
+    attention_gpu = bench_module("attention_gpu")
     with pytest.raises(SystemExit):
         attention_gpu.main(["--seqs", "8192", "1000"])
     assert "--seqs [1000]" in capsys.readouterr().err
