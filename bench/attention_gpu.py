@@ -101,7 +101,7 @@ def compile_layer(x: dict, dtype, compiler_options: dict | None) -> tuple[list, 
 def errors_of(args: list, progs: dict) -> dict:
     """Flash vs reference: both outputs and the gradients (run the fp32 programs)."""
     run = {k: jax.device_get(p(*args)) for k, p in progs.items()}
-    outs, outs_r, grads, grads_r = (run[k] for k in ("flash_fwd", "reference_fwd", "flash_fwd_bwd", "reference_fwd_bwd"))
+    outs, outs_r, grads, grads_r = (run[f"{b}_{p}"] for p in ("fwd", "fwd_bwd") for b in ("flash", "reference"))
     errors = {n: rel(a, b) for n, a, b in zip(("out_clean", "out_noisy"), outs, outs_r)}
     errors.update({f"d{n}": rel(a, b) for n, a, b in zip(NAMES, grads[1], grads_r[1])})
     return errors
@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-model", action="store_true", help="skip the model's two-stream SFT step check")
     ap.add_argument("--model", action="store_true", help="with --smoke: run the model check too")
     ap.add_argument("--budget-s", type=float, default=480.0, help="start no new row after this many seconds")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (T = 256, 4 / 2 heads, D = 32), fp32 timing, 1 repeat")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes (T = 256, 4 / 2 heads, D = 32), fp32 timing, 1 repeat")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
     if args.smoke:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention_flash import doc_extents
-from pallas_kernels.attention_flash_kernels import FlashConfig, key_tile_ranges, query_tile_range, visible, visible_pairs
+from pallas_kernels.attention_flash_kernels import (FlashConfig, key_tile_ranges, query_tile_range, visible,
+                                                    visible_pairs)
 from pallas_kernels.attention_reference import two_stream_masks
 
 T = 256
