@@ -70,9 +70,10 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     gdn_chunk_size: int = 64
     gdn_backend: Literal["auto", "pallas", "reference"] = "auto"
-    # full attention of the training streams: "splash" = the TPU splash kernel (interpreted off TPU),
-    # "reference" = dense jnp, "auto" = splash on TPU else reference (pallas_kernels.attention_dispatch)
-    attn_backend: Literal["auto", "splash", "reference"] = "auto"
+    # full attention of the training streams: "splash" = the TPU splash kernel, "flash" = our GPU
+    # (Pallas Triton) flash kernel (both interpreted off their platform), "reference" = dense jnp,
+    # "auto" = splash on TPU, flash on GPU, else reference (pallas_kernels.attention_dispatch)
+    attn_backend: Literal["auto", "splash", "flash", "reference"] = "auto"
     moe_impl: Literal["auto", "ragged", "blocked", "dense"] = "auto"
     moe_dispatch: Literal["ragged_a2a", "ring"] = "ragged_a2a"  # expert-parallel dispatch under a mesh
     scan_layers: bool = True

@@ -23,6 +23,7 @@ from .gdn_block_reference import block_gated_delta_rule_ref, block_readout_ref  
 __all__ += ["block_gated_delta_rule_ref", "block_readout_ref"]
 
 from .attention_dispatch import ATTN_BACKENDS, resolve_attn_backend, stream_attention  # noqa: E402
+from .attention_flash import flash_attention  # noqa: E402
 from .attention_splash import splash_attention  # noqa: E402
 
-__all__ += ["ATTN_BACKENDS", "resolve_attn_backend", "splash_attention", "stream_attention"]
+__all__ += ["ATTN_BACKENDS", "flash_attention", "resolve_attn_backend", "splash_attention", "stream_attention"]

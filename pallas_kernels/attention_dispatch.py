@@ -1,10 +1,20 @@
-"""Entry point of the training streams' attention core: the splash kernel or the jnp reference.
+"""Entry point of the training streams' attention core: a kernel (splash on TPU, our flash kernel
+on GPU) or the jnp reference.
 
 Callers (the model's full-attention layer) use :func:`stream_attention` for the clean stream (and the
 AR forward without a cache) and for the noisy stream of block mode; which implementation runs is a
-backend choice, never a numerics choice (they agree to fp32 round-off). Prefill / decoding against
-a cache and the decode-side block steps call the reference ``attend`` directly (a cache-indexed mask,
-short query blocks).
+backend choice, never a numerics choice (they agree to fp32 round-off). Backends:
+
+- ``splash``: JAX's TPU splash kernel (:mod:`pallas_kernels.attention_splash`);
+- ``flash``: our Pallas Triton flash kernel (:mod:`pallas_kernels.attention_flash`);
+- ``reference``: dense jnp (:mod:`pallas_kernels.attention_reference`), the CPU path and the oracle;
+- ``auto``: flash on GPU, splash on TPU, reference on CPU.
+
+Both kernels run the Pallas interpreter off their platform (CPU tests) and ``shard_map`` over batch
+and KV-head groups under a mesh. Every other caller keeps the dense path whatever the backend:
+prefill / decoding against a cache and the decode-side block steps (the model calls the reference
+``attend`` directly: a cache-indexed mask, and query blocks of one decode block, too short for a
+kernel's tiles to pay).
 """
 
 from __future__ import annotations
@@ -13,20 +23,22 @@ from collections.abc import Sequence
 
 import jax
 
+from .attention_flash import flash_attention
 from .attention_reference import attend, clean_attention_ref, noisy_attention_ref
 from .attention_splash import Stream, splash_attention
 
-ATTN_BACKENDS = ("auto", "splash", "reference")
+ATTN_BACKENDS = ("auto", "splash", "flash", "reference")
+_AUTO = {"tpu": "splash", "gpu": "flash"}
 
 
-def resolve_attn_backend(backend: str) -> str:
-    """"auto" -> "splash" when the default JAX backend is a TPU, else "reference" (on a CPU host an
-    AOT compile for a TPU topology therefore asks for "splash" explicitly; GPUs use the reference
-    until a flash kernel lands)."""
+def resolve_attn_backend(backend: str, platform: str | None = None) -> str:
+    """"auto" -> "splash" on TPU, "flash" on GPU, else "reference", by ``platform`` (default: JAX's
+    default backend; on a CPU host an AOT compile for a TPU topology therefore asks for "splash"
+    explicitly)."""
     if backend not in ATTN_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {ATTN_BACKENDS}")
     if backend == "auto":
-        return "splash" if jax.default_backend() == "tpu" else "reference"
+        return _AUTO.get(platform or jax.default_backend(), "reference")
     return backend
 
 
@@ -45,7 +57,8 @@ def stream_attention(
     batch_axes: Sequence[str] | None = None,
     head_axes: Sequence[str] | None = None,
 ) -> jax.Array:
-    """Attention of one training stream (see ``splash_attention`` for shapes and the mask rules).
+    """Attention of one training stream (see ``splash_attention`` for shapes and the mask rules;
+    ``flash_attention`` has the same contract).
 
     ``mask_BTS``: the reference's precomputed boolean mask (the model builds it once per forward, not
     once per layer); None = built here from the segment ids. Ignored by the kernel, which needs only
@@ -54,6 +67,9 @@ def stream_attention(
     if backend == "splash":
         return splash_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
                                 interpret=interpret, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes)
+    if backend == "flash":
+        return flash_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
+                               interpret=interpret, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes)
     if mask_BTS is not None:
         return attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS)
     if stream == "clean":

@@ -13,7 +13,7 @@ documents never meet; pads are one more segment):
 
 Layout: the model's [B, T, H, D] is moved to the kernel's [H, T, D] per row (vmapped over B); GQA
 is native (query head h reads KV head h // (H / K)). T is padded to a whole number of 128-lane tiles
-with a segment id no document uses (each pad query still sees itself, so no softmax row is empty).
+with a segment id no document uses (:mod:`pallas_kernels.attention_layout`).
 The 1/sqrt(D) scale is applied to q before the kernel (splash applies none).
 
 Platform: with ``interpret=None`` the Mosaic kernel is lowered for TPU and the Pallas interpreter
@@ -37,12 +37,11 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import PartitionSpec as P
 
 from . import gdn_sharding
+from .attention_layout import check_stream_inputs, pad_stream_rows
 
 LANES = 128  # splash tiles are multiples of the 128-lane vreg width
 #: largest tile first: 512 x 512 tiles keep the MXU busy at head dim 256 and fit VMEM in fwd and bwd
 TILE_CHOICES = (512, 256, 128)
-#: segment id of the lane padding; documents and pads of the data pipeline use ids >= -1
-LANE_PAD_SEGMENT = -(2**30)
 
 Stream = Literal["clean", "noisy"]
 
@@ -175,28 +174,11 @@ def splash_attention(
         [B, T, H, D] in q's dtype (softmax statistics and accumulation are fp32 inside the kernel).
     """
     b, t, h, d = q_BTHD.shape
-    s, kv = k_BSKD.shape[1], k_BSKD.shape[2]
-    if stream not in ("clean", "noisy"):
-        raise ValueError(f"splash_attention: stream must be 'clean' or 'noisy', got {stream!r}")
-    if h % kv:
-        raise ValueError(f"splash_attention: {h} query heads are not a multiple of {kv} KV heads")
-    if s != (t if stream == "clean" else 2 * t):
-        raise ValueError(f"splash_attention: {stream} stream with {t} queries needs "
-                         f"{t if stream == 'clean' else 2 * t} keys, got k {k_BSKD.shape}")
-    if stream == "noisy" and t % block_size:
-        raise ValueError(f"splash_attention: length {t} is not a multiple of block_size {block_size}")
-    if segment_ids_BT.shape != (b, t):
-        raise ValueError(f"splash_attention: segment_ids {segment_ids_BT.shape} must be [B, T] = {(b, t)}")
+    kv = k_BSKD.shape[2]
+    check_stream_inputs("splash_attention", q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream, block_size)
     tp = -(-t // LANES) * LANES
-    pad_t = lambda x, fill=0: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2),  # noqa: E731
-                                      constant_values=fill)
-    seg = pad_t(segment_ids_BT.astype(jnp.int32), LANE_PAD_SEGMENT)
-    if stream == "clean":
-        k, v, kv_seg = pad_t(k_BSKD), pad_t(v_BSKD), seg
-    else:  # pad each half, so the clean / noisy split of the keys stays at the padded length
-        halves = lambda x: jnp.concatenate([pad_t(x[:, :t]), pad_t(x[:, t:])], axis=1)  # noqa: E731
-        k, v, kv_seg = halves(k_BSKD), halves(v_BSKD), jnp.concatenate([seg, seg], axis=1)
-    q = pad_t(q_BTHD * jnp.asarray(d ** -0.5, q_BTHD.dtype))
+    q, k, v, seg, kv_seg = pad_stream_rows(q_BTHD * jnp.asarray(d ** -0.5, q_BTHD.dtype), k_BSKD, v_BSKD,
+                                           segment_ids_BT, stream, tp)
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, H, D] <-> [B, H, T, D]
     args = (heads_first(q), heads_first(k.astype(q.dtype)), heads_first(v.astype(q.dtype)), seg, kv_seg)
     core = _per_device(stream, block_size if stream == "noisy" else 1, interpret)

@@ -2,9 +2,10 @@
 
 The attention core is chosen by `ModelConfig.attn_backend` through `pallas_kernels.attention_dispatch`:
 the training streams (clean: causal in-document; noisy: the block rule of docs/design.md 3.1) run the
-TPU splash kernel or the jnp reference (`attend` over an explicit boolean mask [B, Tq, Tk], built
-by a pure function of slots and segment ids). Prefill, decoding and the decode-side block steps
-keep the dense reference: their masks index a cache, and their query blocks are short.
+TPU splash kernel, the GPU flash kernel or the jnp reference (`attend` over an explicit boolean mask
+[B, Tq, Tk], built by a pure function of slots and segment ids). Prefill, decoding and the
+decode-side block steps keep the dense reference: their masks index a cache, and their query
+blocks are short.
 Keys come either from the current tokens (training forward) or from a preallocated KV cache that
 the current tokens are first written into (prefill and decode: one code path for both).
 """

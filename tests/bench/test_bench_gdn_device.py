@@ -10,28 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
-import sys
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
-
-
-def _gdn_device():
-    """bench/gdn_device.py as a module (bench/ on sys.path only while importing: it imports `common`)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import gdn_device
-    finally:
-        sys.path.remove(str(BENCH))
-    return gdn_device
+from tests.bench.bench_import import bench_module  # noqa: E402
 
 
 def test_device_check_smoke_runs_both_ops_and_matches_the_reference(tmp_path):
-    gdn_device = _gdn_device()
+    gdn_device = bench_module("gdn_device")
     out = tmp_path / "gdn_device.json"
     report = gdn_device.main(["--smoke", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
@@ -48,14 +36,14 @@ def test_device_check_smoke_runs_both_ops_and_matches_the_reference(tmp_path):
 
 
 def test_device_check_budget_skips_and_says_so(tmp_path):
-    gdn_device = _gdn_device()
+    gdn_device = bench_module("gdn_device")
     report = gdn_device.main(["--smoke", "--budget-s", "-1", "--out", str(tmp_path / "r.json")])
     assert report["rows"] == []
     assert [(s["T"], s["op"]) for s in report["skipped"]] == [(256, "causal"), (256, "block")]
 
 
 def test_device_check_rejects_a_length_block_mode_cannot_take(capsys):
-    gdn_device = _gdn_device()
+    gdn_device = bench_module("gdn_device")
     with pytest.raises(SystemExit):
         gdn_device.main(["--seqs", "8192", "1000"])
     assert "--seqs [1000]" in capsys.readouterr().err

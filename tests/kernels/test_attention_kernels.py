@@ -1,7 +1,9 @@
-"""The attention dispatch (`pallas_kernels.attention_dispatch`): JAX's TPU splash kernel, run by the
-Pallas interpreter on this CPU host, against the dense jnp reference (`attend` over the masks of
-docs/design.md 3.1), for both training streams, on its own, under a mesh, and inside the model's SFT loss.
-fp32 throughout: values to 1e-5 and gradients to 1e-4 of the reference's largest entry."""
+"""The attention dispatch (`pallas_kernels.attention_dispatch`): JAX's TPU splash kernel and our GPU
+flash kernel, run by the Pallas interpreter on this CPU host, against the dense jnp reference
+(`attend` over the masks of docs/design.md 3.1), for both training streams, on its own, under a mesh,
+and inside the model's SFT loss (the flash kernel's own parity tests at small tiles are in
+test_attention_flash.py). fp32 throughout: values to 1e-5 and gradients to 1e-4 of the reference's
+largest entry."""
 
 import jax
 import jax.numpy as jnp
@@ -74,29 +76,36 @@ def test_noisy_mask_of_the_kernel_is_the_design_rule():
     np.testing.assert_array_equal(got, np.asarray(want))
 
 
-def test_splash_under_a_mesh_equals_unsharded():
+@pytest.mark.parametrize("backend", ["splash", "flash"])
+def test_kernel_under_a_mesh_equals_unsharded(backend):
     """Under a (data 2, tensor 2) mesh the kernel runs in shard_map over batch rows and KV-head groups
     and gives the unsharded reference's values and gradients."""
     mesh = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices()[:4])
     with jax.set_mesh(mesh):
-        out, grads = _value_and_grads("splash", "noisy", 16)
+        out, grads = _value_and_grads(backend, "noisy", 16)
         q, k, v, _ = _inputs("noisy")
         jaxpr = str(jax.make_jaxpr(lambda *a: stream_attention(*a, jnp.asarray(SEG), stream="noisy", block_size=16,
-                                                               backend="splash"))(q, k, v))
+                                                               backend=backend))(q, k, v))
     assert "shard_map" in jaxpr and "pallas_call" in jaxpr
     out_r, grads_r = _value_and_grads("reference", "noisy", 16)
     _assert_rel(out, out_r, 1e-5, "sharded output")
     for name, g, g_r in zip("qkv", grads, grads_r):
         _assert_rel(g, g_r, 1e-4, f"sharded d{name}")
+
+
+def test_auto_backend_by_platform():
     with pytest.raises(ValueError, match="unknown attention backend 'flash2'"):
         resolve_attn_backend("flash2")
     assert resolve_attn_backend("auto") == "reference"  # this CPU host
+    assert [resolve_attn_backend("auto", p) for p in ("tpu", "gpu", "cpu")] == ["splash", "flash", "reference"]
+    assert resolve_attn_backend("flash", "tpu") == "flash"  # an explicit choice is kept
 
 
-def test_model_sft_loss_and_grads_with_splash_equal_reference():
+@pytest.mark.parametrize("backend", ["splash", "flash"])
+def test_model_sft_loss_and_grads_with_kernel_equal_reference(backend):
     """The model's two-stream SFT loss (both noisy copies, the AR term on the clean stream) and its
-    gradient with respect to every parameter, `attn_backend: splash` (interpret) vs `reference`; and
-    the AR forward (`model(ids)`, the clean path without a cache) gives the same logits."""
+    gradient with respect to every parameter, `attn_backend: splash` / `flash` (interpret) vs
+    `reference`; and the AR forward (`model(ids)`, the clean path without a cache) gives the same logits."""
     from sft.loss import LossConfig, make_sft_loss
     from sft.noise import NoiseConfig
 
@@ -116,8 +125,8 @@ def test_model_sft_loss_and_grads_with_splash_equal_reference():
     key = jax.random.key(1)
     fast = {"xla_backend_optimization_level": 0}  # same semantics, less CPU compile time
     outs = []
-    for backend in ("reference", "splash"):
-        graphdef, _ = nnx.split(create_model(cfg.replace(attn_backend=backend), 0))
+    for name in ("reference", backend):
+        graphdef, _ = nnx.split(create_model(cfg.replace(attn_backend=name), 0))
         loss_fn = make_sft_loss(graphdef, block_size=bk, mask_token_id=mask_id, noise=noise, loss=lcfg, lb_coef=0.01,
                                 end_pad_id=1)
         f = jax.value_and_grad(lambda p: loss_fn(p, batch, key)[0])
