@@ -9,11 +9,11 @@ compute the same function (`ModelConfig.moe_impl`):
   capacity, so no token is ever dropped;
 * `blocked`: the same sort, then each expert's group is padded to a multiple of a row block and the
   blocks run as one batched matmul against their expert's weights (an XLA grouped matmul, the fast
-  path on CPU, where `ragged_dot` expands to a dense masked product);
+  path on CPU and GPU, where `ragged_dot` expands to a dense masked product);
 * `dense`: every token through every expert, weighted by a dense [T, E] combine matrix: the plain
   reference (E/k times the FLOPs).
 
-`auto` picks `blocked` on CPU and `ragged` elsewhere.
+`auto` picks `ragged` on TPU and `blocked` on GPU and CPU (`moe_platform` says why).
 
 Expert parallelism (`experts_parallel`) takes over inside `sharding.use_sharding(mesh)` on a
 multi-device mesh: tokens stay sharded over the batch axes, experts over `expert`, and the
@@ -34,6 +34,7 @@ from flax import nnx
 
 from clover_jax.parallel import remat, sharding
 from clover_jax.config import ModelConfig
+from clover_jax.model.moe_platform import resolve_impl
 from clover_jax.model.nn import Dense, dtype_of, make_param, normal
 
 
@@ -216,15 +217,6 @@ def experts_dense(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EID) 
 
 EXPERT_IMPLS = {"ragged": experts_ragged, "blocked": experts_blocked, "dense": experts_dense}
 DISPATCHES = ("ragged_a2a", "ring")
-
-
-def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """`auto` -> `blocked` on CPU, `ragged` on accelerators (`platform` default: JAX's backend)."""
-    if impl == "auto":
-        return "blocked" if (platform or jax.default_backend()) == "cpu" else "ragged"
-    if impl not in EXPERT_IMPLS:
-        raise ValueError(f"unknown moe_impl {impl!r}; expected auto or one of {sorted(EXPERT_IMPLS)}")
-    return impl
 
 
 # ---------------------------------------------------------------------------------------------
