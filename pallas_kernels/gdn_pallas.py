@@ -24,7 +24,7 @@ Structure (who does what):
 
 Numerics: inputs may be fp32 or bf16; the state, the accumulation and every elementwise step are
 fp32. fp32 inputs run every matmul at HIGHEST precision; bf16 inputs run the chunk matmuls with bf16
-operands (fp32 accumulation) and the triangular inverse in fp32.
+operands (fp32 accumulation) and only the triangular inverse in fp32 at HIGHEST.
 """
 
 from __future__ import annotations

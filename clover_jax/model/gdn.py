@@ -136,17 +136,21 @@ class GatedDeltaNet(nnx.Module):
         return g, beta
 
     def heads(self, conv: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Post-conv channels -> q, k l2-normalised and repeated to nv heads [B,T,nv,dk]; v [B,T,nv,dv]."""
+        """Post-conv channels -> q, k l2-normalised and repeated to nv heads [B,T,nv,dk]; v [B,T,nv,dv],
+        all three in the compute dtype (the conv's): with `dtype: bfloat16` the GDN kernels then run
+        their chunk matmuls on bf16 operands with fp32 accumulation (state and triangular inverse
+        stay fp32 inside); the norm itself is taken in fp32 and rounded once."""
         c = self.cfg
+        dt = conv["v"].dtype
         b, t, _ = conv["q"].shape
         rep = c.linear_num_value_heads // c.linear_num_key_heads
         q = conv["q"].reshape(b, t, c.linear_num_key_heads, c.linear_key_head_dim)
         k = conv["k"].reshape(b, t, c.linear_num_key_heads, c.linear_key_head_dim)
         v = conv["v"].reshape(b, t, c.linear_num_value_heads, c.linear_value_head_dim)
         # value head j reads key head j // rep (HF repeat_interleave)
-        q = jnp.repeat(l2_normalize(q), rep, axis=2)
-        k = jnp.repeat(l2_normalize(k), rep, axis=2)
-        return q, k, v.astype(jnp.float32)
+        q = jnp.repeat(l2_normalize(q).astype(dt), rep, axis=2)
+        k = jnp.repeat(l2_normalize(k).astype(dt), rep, axis=2)
+        return q, k, v
 
     def _conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
                     ring_seg: jax.Array) -> dict[str, jax.Array]:

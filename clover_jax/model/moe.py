@@ -5,15 +5,15 @@ compute the same function (`ModelConfig.moe_impl`):
 
 * `ragged`: sort the T*k assignments by expert and run grouped matmuls (`gmm`: `jax.lax.ragged_dot`
   forward and input gradient, the weight gradient by `tgmm`: the megablox kernel on TPU, where
-  JAX's own transpose of `ragged_dot` would multiply every row by every local expert's mask); no
-  capacity, so no token is ever dropped;
+  JAX's own transpose of `ragged_dot` would multiply every row by every local expert's mask; gate
+  and up fused into one n = 2I projection); no capacity, so no token is ever dropped;
 * `blocked`: the same sort, then each expert's group is padded to a multiple of a row block and the
   blocks run as one batched matmul against their expert's weights (an XLA grouped matmul, the fast
-  path on CPU, where `ragged_dot` expands to a dense masked product);
+  path on CPU and GPU, where `ragged_dot` expands to a dense masked product);
 * `dense`: every token through every expert, weighted by a dense [T, E] combine matrix: the plain
   reference (E/k times the FLOPs).
 
-`auto` picks `blocked` on CPU and `ragged` elsewhere.
+`auto` picks `ragged` on TPU and `blocked` on GPU and CPU (`moe_platform` says why).
 
 Expert parallelism (`experts_parallel`) takes over inside `sharding.use_sharding(mesh)` on a
 multi-device mesh: tokens stay sharded over the batch axes, experts over `expert`, and the
@@ -34,6 +34,7 @@ from flax import nnx
 
 from clover_jax.parallel import remat, sharding
 from clover_jax.config import ModelConfig
+from clover_jax.model.moe_platform import resolve_impl, tgmm_tiling
 from clover_jax.model.nn import Dense, dtype_of, make_param, normal
 
 
@@ -88,12 +89,10 @@ def tgmm(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, platfor
     if platform == "tpu":
         from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm as megablox_tgmm
 
-        tile = lambda dim: next((t for t in (512, 256, 128) if dim % t == 0), dim)  # noqa: E731
-        tm = 512 if m >= 512 else max(8, 1 << (m - 1).bit_length())
-        pad = -m % tm
+        tiling = tgmm_tiling(m, k, n)
+        pad = -m % tiling[0]
         lhs_p = jnp.pad(lhs_MK, ((0, pad), (0, 0)))
         rhs_p = jnp.pad(rhs_MN.astype(lhs_MK.dtype), ((0, pad), (0, 0)))
-        tiling = (tm, tile(k), tile(n))
         # the kernel's dots take the global matmul precision; Mosaic rejects fp32 contraction on bf16
         prec = contextlib.nullcontext() if lhs_MK.dtype == jnp.float32 else jax.default_matmul_precision("default")
         with prec:
@@ -147,8 +146,11 @@ def grouped_ffn(xs_MD: jax.Array, group_sizes_G: jax.Array, wi_gate_GDI: jax.Arr
     if impl == "ragged":
         platform = platform or jax.default_backend()
         gs = group_sizes_G.astype(jnp.int32)
-        h, u = gmm(xs_MD, wi_gate_GDI, gs, platform), gmm(xs_MD, wi_up_GDI, gs, platform)
-        y = gmm(_swiglu(h, u, dt), wo_GID, gs, platform)
+        # gate and up as one n = 2I grouped matmul: one pass over the rows, and a tgmm whose n axis
+        # splits over both TensorCores of a megacore chip (moe_platform.tgmm_tiling)
+        i = wi_gate_GDI.shape[-1]
+        hu = gmm(xs_MD, jnp.concatenate([wi_gate_GDI, wi_up_GDI], axis=-1), gs, platform)
+        y = gmm(_swiglu(hu[:, :i], hu[:, i:], dt), wo_GID, gs, platform)
         return jnp.where(valid[:, None], y, 0.0)
     group = jnp.searchsorted(ends, row, side="right").astype(jnp.int32)  # G for padding rows
     if impl == "dense":
@@ -216,15 +218,6 @@ def experts_dense(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EID) 
 
 EXPERT_IMPLS = {"ragged": experts_ragged, "blocked": experts_blocked, "dense": experts_dense}
 DISPATCHES = ("ragged_a2a", "ring")
-
-
-def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """`auto` -> `blocked` on CPU, `ragged` on accelerators (`platform` default: JAX's backend)."""
-    if impl == "auto":
-        return "blocked" if (platform or jax.default_backend()) == "cpu" else "ragged"
-    if impl not in EXPERT_IMPLS:
-        raise ValueError(f"unknown moe_impl {impl!r}; expected auto or one of {sorted(EXPERT_IMPLS)}")
-    return impl
 
 
 # ---------------------------------------------------------------------------------------------

@@ -97,6 +97,30 @@ def test_block_pallas_matches_reference(x, form, block_size, chunk_size, with_in
         assert maxdiff(a, b) <= GRAD_RTOL * float(np.max(np.abs(b))), name
 
 
+# bf16 bound relative to each array's max, 4 u (u = 2^-8), as in test_gdn_pallas.py. Measured
+# against the fp32 reference on the fp32 inputs: worst 7.8e-3 (dqn, gpu form), 7.3e-3 (dq, tpu
+# form), the outputs 5.6e-3 (o), 4.0e-3 (o_noisy), 3.7e-3 (state).
+BF16_RTOL = 4 * 2.0 ** -8
+BF16_NAMES = ("q", "k", "v", "qn", "kn", "vn")
+
+
+@pytest.mark.parametrize("form,block_size,chunk_size,with_init", CASES)
+def test_block_pallas_bf16_inputs(x, form, block_size, chunk_size, with_init):
+    """bf16 q/k/v of both streams (the training path with `dtype: bfloat16`): bf16 matmul operands,
+    fp32 accumulation, state, softmax and triangular inverse. Oracle: the fp32 reference on the
+    fp32 inputs (its compile is shared with the fp32 test)."""
+    fn = pallas_tpu_form if form == "tpu" else pallas_gpu_form
+    xb = dict(x, **{n: jnp.asarray(x[n], jnp.bfloat16) for n in BF16_NAMES})
+    (o, on, s), grads = run(fn, xb, block_size, chunk_size, with_init)
+    (o_r, on_r, s_r), grads_r = run(block_gated_delta_rule_ref, x, block_size, chunk_size, with_init)
+    assert o.dtype == on.dtype == jnp.bfloat16 and s.dtype == np.float32
+    for name, a, b in zip(("o", "o_noisy", "state") + NAMES, (o, on, s, *grads), (o_r, on_r, s_r, *grads_r)):
+        if name == "s0" and not with_init:
+            continue
+        assert a.dtype == (jnp.bfloat16 if name in BF16_NAMES + ("o", "o_noisy") else np.float32), name
+        assert maxdiff(a.astype(np.float32), b) <= BF16_RTOL * float(np.max(np.abs(b))), name
+
+
 def test_block_pallas_under_shard_map(x):
     """Through the dispatch under jax.set_mesh: batch over "data", heads over "tensor"."""
     mesh = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices()[:4])
