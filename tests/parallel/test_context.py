@@ -1,14 +1,20 @@
 """The `context` mesh axis (clover_jax/parallel/context.py, the `length -> context` rule of
-parallel/sharding.py): rows split into contiguous shards, and the split's validation names the keys."""
+parallel/sharding.py): rows split into contiguous shards, the split's validation names the keys, and
+the whole model with its rows sharded over `context` equals the one-device run (and compiles for TPU)."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from clover_jax.config import get_preset
+from clover_jax.model.clover_model import create_model, model_from_params, model_to_params, shift_predictions
 from clover_jax.parallel import sharding as sh
 from clover_jax.parallel.context import check_context_split
+from tests.model.parity_utils import FP32_REL, assert_rel_close
 
 
 def test_length_rule_shards_rows_into_contiguous_pieces():
@@ -45,12 +51,6 @@ def test_context_split_validation_names_the_keys():
 
 # ---------------------------------------------------------------------------------------------
 # the whole model with the row's sequence sharded over `context` equals the one-device run
-from flax import nnx  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from clover_jax.config import get_preset  # noqa: E402
-from clover_jax.model.clover_model import create_model, model_from_params, model_to_params, shift_predictions  # noqa: E402
-from tests.model.parity_utils import FP32_REL, assert_rel_close  # noqa: E402
 
 CFG = get_preset("tiny").replace(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
                                  moe_impl="dense", mode="block", block_size=4, mask_token_id=2, gdn_chunk_size=4)
