@@ -38,6 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from clover_jax.parallel import sharding as sh
+from clover_jax.parallel.context import check_context_split
 from clover_jax.config import ModelConfig
 from clover_jax.model.clover_model import abstract_model, check_block_aligned, create_model, model_from_params, model_to_params
 from clover_jax.yaml_config import ConfigError, to_tree
@@ -325,6 +326,8 @@ def prepare(cfg: SFTConfig) -> SFTSetup:
         raise ConfigError(f"devices: {cfg.devices} requested, {len(devices)} available")
     try:
         mesh = sh.make_mesh(cfg.mesh, devices)
+        check_context_split(cfg.data.seq_len, dict(mesh.shape)["context"], mcfg.block_sizes, mcfg.gdn_chunk_size,
+                            mcfg.linear_conv_kernel_dim)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model = abstract_model(mcfg)

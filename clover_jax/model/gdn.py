@@ -20,6 +20,7 @@ from flax import nnx
 import pallas_kernels
 from clover_jax.config import ModelConfig
 from clover_jax.model.nn import Dense, GatedRMSNorm, constant, dtype_of, make_param, normal
+from pallas_kernels.gdn_context import context_size
 
 CONV_PARTS = ("q", "k", "v")
 
@@ -68,13 +69,19 @@ def block_conv(
     return (left + right_conv(x_BKC, w_right_LC, seg_BK)).astype(x_BKC.dtype)
 
 
-def block_rings(x_BTC: jax.Array, seg_BT: jax.Array, block: int, lring: int, empty_seg: int):
+def block_rings(x_BTC: jax.Array, seg_BT: jax.Array, block: int, lring: int, empty_seg: int,
+                halo: tuple[jax.Array, jax.Array] | None = None):
     """For every row-grid block n, the L clean inputs before it and their segment ids:
-    ([B*N, L, C], [B*N, L]); slots before the row start are zeros with segment `empty_seg`."""
+    ([B*N, L, C], [B*N, L]); slots before the row start are zeros with segment `empty_seg`, or the
+    given `halo` ([B, L, C], [B, L]: the tokens before a context shard)."""
     b, t, c = x_BTC.shape
     n = t // block
-    x_pad = jnp.pad(x_BTC, ((0, 0), (lring, 0), (0, 0)))
-    s_pad = jnp.pad(seg_BT, ((0, 0), (lring, 0)), constant_values=empty_seg)
+    if halo is None:
+        x_pad = jnp.pad(x_BTC, ((0, 0), (lring, 0), (0, 0)))
+        s_pad = jnp.pad(seg_BT, ((0, 0), (lring, 0)), constant_values=empty_seg)
+    else:
+        x_pad = jnp.concatenate([halo[0].astype(x_BTC.dtype), x_BTC], axis=1)
+        s_pad = jnp.concatenate([halo[1].astype(seg_BT.dtype), seg_BT], axis=1)
     idx_NL = jnp.arange(n)[:, None] * block + jnp.arange(lring)[None, :]  # padded index of slot n*block - L + j
     rings = jnp.take(x_pad, idx_NL.reshape(-1), axis=1).reshape(b * n, lring, c)
     ring_seg = jnp.take(s_pad, idx_NL.reshape(-1), axis=1).reshape(b * n, lring)
@@ -179,6 +186,10 @@ class GatedDeltaNet(nnx.Module):
         """x [B, T, D] -> [B, T, D]. `ctx`: `segment_ids` [B, T], `ring_segment_ids` [B, L] and, with a
         cache, `continues` [B] bool (the first token continues the cached document). Cache:
         `state` [B, nv, dk, dv] fp32, `conv_{q,k,v}` [B, L, C_part] pre-conv ring."""
+        if cache is None and context_size() > 1:  # T sharded over the `context` mesh axis
+            from clover_jax.model import gdn_context
+
+            return gdn_context.clean_forward(self, x_BTD, ctx), None
         c = self.cfg
         mixed = self.mix_inputs(x_BTD)
         seg, ring_seg = ctx["segment_ids"], ctx["ring_segment_ids"]
@@ -210,6 +221,10 @@ class GatedDeltaNet(nnx.Module):
         """Training forward of both streams: x [B, 2T, D] = clean tokens || noisy tokens (same
         positions), -> [B, 2T, D]. The clean half is the AR layer exactly; the noisy half is the
         block-mode GDN on the row grid of `ctx["block_size"]` (T a multiple of it)."""
+        if context_size() > 1:  # each stream's T sharded over the `context` mesh axis
+            from clover_jax.model import gdn_context
+
+            return gdn_context.two_stream(self, x_BSD, ctx)
         c = self.cfg
         bk, seg = ctx["block_size"], ctx["segment_ids"]
         b, t = seg.shape

@@ -2,7 +2,9 @@
 
 Model code names every dimension logically (`nn.make_param(..., logical_axes)` for parameters,
 `constrain(x, ("batch", "length", "act_embed"))` for activations); this module alone maps those
-names onto the mesh axes `("data", "fsdp", "expert", "tensor")` (docs/design.md 4, the MaxText pattern).
+names onto the mesh axes `("data", "fsdp", "expert", "context", "tensor")` (docs/design.md 4, the
+MaxText pattern). `length -> context` splits every row's sequence into contiguous shards (context
+parallelism, `clover_jax.parallel.context`); with `context: 1` (the default) nothing changes.
 
 Resolution of one dimension (`logical_to_spec`): the rule's mesh axes, minus axes of size 1, minus
 axes an earlier dimension of the same tensor already uses (so `batch` -> (data, fsdp, expert) and
@@ -30,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -39,7 +41,7 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 DEFAULT_RULES: Rules = (
     # activations
     ("batch", ("data", "fsdp", "expert")),
-    ("length", ()),
+    ("length", ("context",)),  # contiguous sequence shards (context parallelism)
     ("act_embed", ()),
     ("act_heads", ("tensor",)),
     ("act_vocab", ("tensor",)),
@@ -72,11 +74,14 @@ class MeshConfig:
 
     `dcn_data` is how many slices (TPU multi-slice) or hosts (GPU multi-node) the `data` axis spans
     over the data-centre network; it must divide `data`. The other axes stay inside a slice.
+    `context` splits every row's sequence into that many contiguous shards (see
+    `clover_jax.parallel.context.check_context_split` for what the row length must satisfy).
     """
 
     data: int = 1
     fsdp: int = -1
     expert: int = 1
+    context: int = 1
     tensor: int = 1
     dcn_data: int = 1
 
@@ -116,7 +121,7 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
     shape = tuple(sizes[a] for a in MESH_AXES)
     if cfg.dcn_data > 1:
         ici = (sizes["data"] // cfg.dcn_data,) + shape[1:]
-        dcn = (cfg.dcn_data, 1, 1, 1)
+        dcn = (cfg.dcn_data,) + (1,) * (len(MESH_AXES) - 1)
         # TPU multi-slice: devices carry distinct `slice_index`; elsewhere (GPU hosts, CPU
         # processes) every device reports one slice and the process is the DCN granule
         granule_is_process = len({getattr(d, "slice_index", None) for d in devices}) <= 1

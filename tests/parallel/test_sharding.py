@@ -20,10 +20,10 @@ from clover_jax.model.clover_model import abstract_model, create_model, model_fr
 
 
 def test_mesh_config_fills_and_validates():
-    assert sh.MeshConfig().axis_sizes(8) == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+    assert sh.MeshConfig().axis_sizes(8) == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
     assert sh.MeshConfig(data=-1, fsdp=2, expert=2).axis_sizes(8)["data"] == 2
     mesh = sh.make_mesh(sh.MeshConfig(data=2, fsdp=2, expert=2))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1}
     assert mesh.axis_names == sh.MESH_AXES
     with pytest.raises(ValueError, match="at most one axis may be -1"):
         sh.MeshConfig(data=-1).axis_sizes(8)

@@ -399,7 +399,7 @@ def test_agent_mix_recipe_parses_and_builds_its_data_mix(tok):
     m = model_config_from(cfg.model, ModelConfig())  # ModelConfig() is the Qwen3.6-35B-A3B architecture
     assert (m.mode, m.block_sizes, m.hidden_size, m.num_hidden_layers, m.num_experts) == ("block", (32,), 2048, 40, 256)
     assert cfg.data.seq_len == 8192 and cfg.data.seq_len % 32 == 0 and cfg.export.format == "clover"
-    assert cfg.mesh.axis_sizes(32) == {"data": 1, "fsdp": 8, "expert": 4, "tensor": 1}
+    assert cfg.mesh.axis_sizes(32) == {"data": 1, "fsdp": 8, "expert": 4, "context": 1, "tensor": 1}
     assert Path(cfg.data_root) == data_root.resolve()
     assert len(cfg.data.sources) >= 10 and all(s.weight > 0 for s in cfg.data.sources)
     assert {s.format for s in cfg.data.sources} >= {"bfcl", "tau_bench", "when2call", "toolbench", "swe_agent"}

@@ -124,7 +124,7 @@ def test_compile_plans_the_recipe_sft_step_for_a_small_slice():
 
     (p,) = launch._sft_compile_plans("configs/agent_mix.yaml", SMALL_RECIPE, ["v5p-8"])
     assert check(p) is p and p.fits and p.compiled
-    assert p.mesh_shape == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert p.mesh_shape == {"data": 1, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1}
     assert (p.micro_batches, p.micro_batch, p.seq_len, p.remat) == (2, 4, 128, "full")
     mcfg = model_config_from(load_sft_config("configs/agent_mix.yaml", SMALL_RECIPE).model, None)
     model = abstract_model(mcfg)

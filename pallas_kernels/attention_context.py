@@ -1,0 +1,85 @@
+"""Attention of the two training streams over a sequence-sharded row (context parallelism).
+
+Each device of the ``context`` axis holds the queries of one contiguous shard of the row (shard i =
+slots [i*Tl, (i+1)*Tl)). K/V are exchanged by an all-gather over the axis (the simplest correct
+exchange; a ring with ``ppermute`` overlapping compute is the next step):
+
+- clean stream: the shard's queries over the gathered clean keys [T], token-causal within the
+  document, by GLOBAL slots (``causal_segment_mask`` with the shard's slot offset);
+- noisy stream: the shard's noisy queries over the gathered CLEAN keys [T] and the shard's own
+  NOISY keys [Tl] only: a noisy key is visible only inside the query's block and no block straddles
+  two shards, so the noisy K/V never travel.
+
+Per shard the core is the jnp reference ``attend`` (dense [Tl, T] scores: 1/n of the one-device
+row). Gradients flow back through the all-gather (a reduce-scatter of dK, dV).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from .attention_reference import attend, causal_segment_mask, noisy_query_mask
+from .gdn_context import CONTEXT_AXIS, context_size, over_context
+
+_TOK4, _TOK2 = P(None, CONTEXT_AXIS, None, None), P(None, CONTEXT_AXIS)
+
+
+def _gather(x: jax.Array, axis: str) -> jax.Array:
+    return lax.all_gather(x, axis, axis=1, tiled=True)
+
+
+def shard_clean_attention(q_BTHD, k_BTKD, v_BTKD, seg_BT, axis: str = CONTEXT_AXIS) -> jax.Array:
+    """Per-shard body (inside a shard_map manual over ``axis``): [B, Tl, H, D] clean-stream output."""
+    b, tl = seg_BT.shape
+    k_all, v_all, seg_all = (_gather(x, axis) for x in (k_BTKD, v_BTKD, seg_BT))
+    t = seg_all.shape[1]
+    q_slot = jnp.broadcast_to(lax.axis_index(axis) * tl + jnp.arange(tl, dtype=jnp.int32), (b, tl))
+    k_slot = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return attend(q_BTHD, k_all, v_all, causal_segment_mask(q_slot, seg_BT, k_slot, seg_all))
+
+
+def shard_noisy_attention(q_BTHD, kc_BTKD, vc_BTKD, kn_BTKD, vn_BTKD, seg_BT, block_size: int,
+                          axis: str = CONTEXT_AXIS) -> jax.Array:
+    """Per-shard body: noisy queries [B, Tl] over gathered clean keys [T] || local noisy keys [Tl]
+    with the block rule (``noisy_query_mask``). The shard length is a multiple of ``block_size``."""
+    b, tl = seg_BT.shape
+    if tl % block_size:
+        raise ValueError(f"context shard of {tl} tokens is not a multiple of block_size {block_size}")
+    kc_all, vc_all, seg_all = (_gather(x, axis) for x in (kc_BTKD, vc_BTKD, seg_BT))
+    t = seg_all.shape[1]
+    slot_l = jnp.broadcast_to(lax.axis_index(axis) * tl + jnp.arange(tl, dtype=jnp.int32), (b, tl))
+    slot_all = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    start = lambda s: s - s % block_size  # noqa: E731
+    k_slot = jnp.concatenate([slot_all, slot_l], axis=1)
+    mask = noisy_query_mask(start(slot_l), seg_BT, k_slot, jnp.concatenate([seg_all, seg_BT], axis=1),
+                            start(k_slot), jnp.arange(t + tl) >= t)
+    return attend(q_BTHD, jnp.concatenate([kc_all, kn_BTKD], axis=1), jnp.concatenate([vc_all, vn_BTKD], axis=1),
+                  mask)
+
+
+def context_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, stream: str, block_size: int = 1,
+                             mesh=None) -> jax.Array:
+    """``stream_attention`` (reference semantics) with T sharded over the ``context`` axis. Clean:
+    q, k, v [B, T, *]; noisy: q [B, T], k, v [B, 2T] = clean || noisy keys. Returns [B, T, H, D]."""
+    n = context_size(mesh)
+    t = segment_ids_BT.shape[1]
+    if t % n or (t // n) % block_size:
+        raise ValueError(f"attention context parallelism: sequence length {t} must split into mesh.context={n} "
+                         f"shards whose length is a multiple of block_size {block_size}")
+    seg = segment_ids_BT.astype(jnp.int32)
+    if stream == "clean":
+        return over_context(shard_clean_attention, (_TOK4, _TOK4, _TOK4, _TOK2), _TOK4,
+                            q_BTHD, k_BSKD, v_BSKD, seg, mesh=mesh)
+    if stream != "noisy":
+        raise ValueError(f"unknown attention stream {stream!r}; expected 'clean' or 'noisy'")
+    if k_BSKD.shape[1] != 2 * t:
+        raise ValueError(f"noisy stream: keys must be [B, 2T] = clean || noisy, got {k_BSKD.shape} for T={t}")
+    body = lambda q, kc, vc, kn, vn, s: shard_noisy_attention(q, kc, vc, kn, vn, s, block_size)  # noqa: E731
+    return over_context(body, (_TOK4,) * 5 + (_TOK2,), _TOK4, q_BTHD, k_BSKD[:, :t], v_BSKD[:, :t],
+                        k_BSKD[:, t:], v_BSKD[:, t:], seg, mesh=mesh)
+
+
+__all__ = ["context_stream_attention", "shard_clean_attention", "shard_noisy_attention"]

@@ -1,0 +1,63 @@
+"""Attention over a sequence-sharded row (pallas_kernels/attention_context.py) against the one-device
+reference of both training streams: values and dq, dk, dv, with packed documents crossing shard
+boundaries, pads and GQA, on (fsdp, context) meshes of the 8 simulated CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_kernels.attention_context import context_stream_attention
+from pallas_kernels.attention_reference import clean_attention_ref, noisy_attention_ref
+from tests.model.parity_utils import FP32_REL, assert_rel_close
+
+B, T, H, K, D = 2, 64, 4, 2, 8
+# row 0: documents crossing the shard boundaries of context 2, 4 and 8, a pad run, an id reused;
+# row 1: one document, then a document starting at slot 32 (a shard boundary), then pads
+SEG = np.stack([np.repeat([1, 2, 0, 1], [12, 24, 4, 24]), np.repeat([3, 4, 0], [32, 24, 8])]).astype(np.int32)
+
+
+def _inputs(stream: str):
+    ks = jax.random.split(jax.random.key(1), 4)
+    s = T if stream == "clean" else 2 * T
+    return (jax.random.normal(ks[0], (B, T, H, D)), jax.random.normal(ks[1], (B, s, K, D)),
+            jax.random.normal(ks[2], (B, s, K, D)), jax.random.normal(ks[3], (B, T, H, D)))
+
+
+def _vg(fn, q, k, v, w):
+    def f(q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(jnp.sin(out) * w), out
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
+@pytest.mark.parametrize("stream,block,context", [("clean", 1, 2), ("clean", 1, 8), ("noisy", 4, 4),
+                                                  ("noisy", 4, 8), ("noisy", 32, 2)])
+def test_context_attention_equals_one_device(stream, block, context):
+    q, k, v, w = _inputs(stream)
+    seg = jnp.asarray(SEG)
+    if stream == "clean":
+        ref = lambda q, k, v: clean_attention_ref(q, k, v, seg)  # noqa: E731
+    else:
+        ref = lambda q, k, v: noisy_attention_ref(q, k, v, seg, block)  # noqa: E731
+    want, want_g = _vg(ref, q, k, v, w)
+    mesh = jax.make_mesh((8 // context, context), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        tok = NamedSharding(mesh, P(None, "context"))
+        args = [jax.device_put(x, tok) for x in (q, k, v, w)]
+        sseg = jax.device_put(seg, tok)
+        got, got_g = _vg(lambda q, k, v: context_stream_attention(q, k, v, sseg, stream=stream, block_size=block),
+                         *args)
+    assert_rel_close(got, want, FP32_REL, f"{stream} b{block} c{context} output")
+    for name, a, b in zip("qkv", got_g, want_g):
+        assert_rel_close(a, b, FP32_REL, f"{stream} b{block} c{context} d{name}")
+
+
+def test_context_attention_checks_the_split():
+    q, k, v, _ = _inputs("noisy")
+    mesh = jax.make_mesh((1, 8), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="multiple of block_size 16"):
+        jax.jit(lambda q, k, v: context_stream_attention(q, k, v, jnp.asarray(SEG), stream="noisy",
+                                                         block_size=16))(q, k, v)

@@ -1,0 +1,74 @@
+"""The GDN layer over a sequence-sharded row (clover_jax/model/gdn_context.py) against the same layer
+on one device: the AR forward and both block-mode streams, on a context-8 mesh whose shards hold one
+block of 4 tokens each, so the conv's 3-token halo and the block rings always come from the
+neighbour; documents start at, just after and between shard boundaries, with pads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from clover_jax.config import get_preset
+from clover_jax.model.clover_model import NO_SEGMENT
+from clover_jax.model.gdn import GatedDeltaNet
+from clover_jax.parallel import sharding as sh
+from tests.model.parity_utils import FP32_REL, assert_rel_close
+
+CFG = get_preset("tiny").replace(mode="block", block_size=4, gdn_chunk_size=4)
+B, T = 2, 32
+
+
+def _layer():
+    layer = GatedDeltaNet(CFG, rngs=nnx.Rngs(0))
+    state = nnx.state(layer, nnx.Param)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    # every parameter randomised: the zero-init right taps too (they must stay inside the block)
+    nnx.update(layer, jax.tree.unflatten(treedef, [l + 0.3 * jax.random.normal(k, l.shape) for l, k in zip(leaves, keys)]))
+    return layer
+
+
+def _seg():
+    seg = np.ones((B, T), np.int32)
+    seg[0, :8], seg[0, 8:20], seg[0, 20:24], seg[0, 24:] = 1, 2, 0, 2  # starts at shard boundaries; a reused id
+    seg[1, :16], seg[1, 16:] = 5, 6
+    return jnp.asarray(seg)
+
+
+def _run(fn, layer, x, seg, mesh=None):
+    graphdef, state = nnx.split(layer)
+
+    def f(state, x):
+        y = fn(nnx.merge(graphdef, state), x, seg)
+        return jnp.sum(jnp.sin(y)), y
+
+    step = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+    if mesh is None:
+        return step(state, x)
+    with sh.use_sharding(mesh):
+        return step(state, jax.device_put(x, sh.batch_sharding(mesh, shape=x.shape)))
+
+
+def _check(fn, width):
+    layer = _layer()
+    x = jax.random.normal(jax.random.key(2), (B, width, CFG.hidden_size))
+    seg = _seg()
+    (_, want), (want_gs, want_gx) = _run(fn, layer, x, seg)
+    (_, got), (got_gs, got_gx) = _run(fn, layer, x, seg, sh.make_mesh(sh.MeshConfig(fsdp=1, context=8)))
+    assert_rel_close(got, want, FP32_REL, "output")
+    assert_rel_close(got_gx, want_gx, FP32_REL, "dx")
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(got_gs)[0], jax.tree.leaves(want_gs)):
+        assert_rel_close(g, r, FP32_REL, jax.tree_util.keystr(path))
+
+
+def test_clean_forward_over_context_equals_one_device():
+    def fn(layer, x, seg):
+        ctx = {"segment_ids": seg, "ring_segment_ids": jnp.full((B, 3), NO_SEGMENT, jnp.int32)}
+        return layer(x, ctx)[0]
+    _check(fn, T)
+
+
+def test_two_stream_over_context_equals_one_device():
+    def fn(layer, x, seg):
+        return layer.two_stream(x, {"segment_ids": seg, "block_size": 4, "empty_segment": NO_SEGMENT})
+    _check(fn, 2 * T)
