@@ -1,10 +1,14 @@
-"""AOT memory planner: compile a train step for a TPU topology on this CPU machine and report the
-per-chip memory against the chip's HBM, and the step's FLOPs (docs/design.md 4, `launch.py compile`).
+"""AOT planner: compile a train step for a TPU topology on this CPU machine and report the per-chip
+memory against the chip's HBM, the step's cost per chip (FLOPs, HBM bytes, collective bytes by
+kind) and a roofline prediction of its time, tokens/s and MFU (docs/design.md 4, `launch.py compile`).
 
 Nothing of the model is materialised: params (fp32 master copies) and the optax adamw state are
 `jax.ShapeDtypeStruct`s carrying their shardings (the rule table of `clover_jax.parallel.sharding`), the
 topology's devices come from libtpu (`jax.experimental.topologies.get_topology_desc`), and
-`compiled.memory_analysis()` / `cost_analysis()` give the numbers of the real TPU program.
+`compiled.memory_analysis()` gives the memory of the real TPU program. The cost is walked from the
+optimized HLO (`train.hlo_cost`: every loop x its trip count; XLA's `cost_analysis()` counts a loop
+body once and is kept beside it), the Pallas kernels costed by `clover_jax.model.kernel_costs`; the
+roofline is `train.roofline`'s.
 
 Two entry points: `compile_plan(jitted, abstract_args, ...)` measures any jitted step (the launcher
 passes the real SFT step of a recipe: two-stream forward + masked-diffusion loss + backward +
@@ -463,14 +467,16 @@ def check(p: MemoryPlan) -> MemoryPlan:
 def describe(plans: list[MemoryPlan]) -> str:
     """Several plans side by side (one row each), for comparing topologies / lengths / policies."""
     head = f"{'topology':<10}{'mesh':<26}{'seq':>7}{'batch':>6}{'remat':>8}{'args GiB':>10}{'temp GiB':>10}" \
-           f"{'total GiB':>10}{'of HBM':>8}{'TFLOP/chip':>11}{'compile s':>10}"
+           f"{'total GiB':>10}{'of HBM':>8}{'TFLOP/chip':>11}{'step ms*':>9}{'MFU*':>6}  {'bound*':<14}{'compile s':>9}"
     rows = [head]
     for p in plans:
         mesh = ",".join(f"{k[0]}{v}" for k, v in p.mesh_shape.items() if v > 1) or "1"
         rows.append(f"{p.topology.name:<10}{mesh:<26}{p.seq_len:>7}{p.micro_batch:>6}{p.remat[:7]:>8}"
                     f"{p.argument_bytes / GiB:>10.2f}{p.temp_bytes / GiB:>10.2f}{p.total_bytes / GiB:>10.2f}"
                     f"{100 * p.total_bytes / p.topology.hbm_bytes:>7.0f}%{p.flops_per_chip / 1e12:>11.1f}"
-                    f"{p.compile_seconds:>10.0f}")
+                    + (f"{1e3 * r.step_s:>9.0f}{100 * r.mfu:>5.0f}%  {r.bound:<14}" if (r := p.roofline()) else
+                       f"{'-':>9}{'-':>6}  {'-':<14}") + f"{p.compile_seconds:>9.0f}")
+    rows.append("* roofline prediction from the compiled program (not a measurement)")
     return "\n".join(rows)
 
 
