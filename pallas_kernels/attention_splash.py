@@ -25,6 +25,7 @@ Under a multi-device mesh the kernel runs in ``shard_map`` over batch and KV-hea
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Literal
@@ -238,12 +239,13 @@ def kernel_cost(name: str, operands: tuple, results: tuple, estimate: object = N
     the call's own cost estimate, is unused: splash reports none).
 
     ``operands`` / ``results``: the call's arrays (objects with ``dtype``, ``dims``, ``bytes``); q is
-    the first float [B, H, Tp, D] operand, k the next."""
+    the first float [B, H, Tp, D] (or [H, Tp, D]) operand, k the next."""
     m = re.match(r"splash_mha_(fwd|dq|dkv)", name)
-    arrays = [a for a in operands if len(a.dims) == 4 and a.dtype in ("bf16", "f32", "f16")]
+    arrays = [a for a in operands if len(a.dims) in (3, 4) and a.dtype in ("bf16", "f32", "f16")]
     if m is None or len(arrays) < 2:
         return None
-    (b, h, tp, d), s = arrays[0].dims, arrays[1].dims[2]
+    (h, tp, d), s = arrays[0].dims[-3:], arrays[1].dims[-2]
+    b = math.prod(arrays[0].dims[:-3])  # the vmapped rows (squeezed away when one)
     stream: Stream = "noisy" if s == 2 * tp else "clean"
     bs = block_sizes_for(tp, s)
     tiles = active_tiles(stream, tp, block_size if stream == "noisy" else 1)

@@ -10,7 +10,9 @@ text (`compiled.as_text()`) is walked from the entry computation:
   counter's start (a constant in the init tuple, else 0) and its step (the body's `add(counter,
   constant s)`). A loop whose count cannot be read counts once and is listed in `unknown_trips`.
 - `fusion`: FLOPs of the fused computation; HBM bytes of the fusion's operands and result only
-  (what a fused kernel reads and writes).
+  (what a fused kernel reads and writes), an operand only sliced inside counting its slices, a
+  dynamic-update-slice root writing only its update (in place); top-level slices and updates
+  likewise. Operands that stay in VMEM / CMEM are counted as HBM traffic (an upper bound).
 - `call` / `async-start` / `call-start`: the called computation once; `conditional`: the costliest
   branch (an upper bound: the CE's skip of chunks without loss tokens is data-dependent).
 - dots / convolutions (TPU lowers dots to convolutions): 2 x output elements x contracted size;
@@ -305,6 +307,7 @@ class _Walker:
     def __init__(self, comps: dict[str, list[Instr]], kernel_cost: KernelCost | None):
         self.comps, self.kernel_cost = comps, kernel_cost
         self.memo: dict[str, HloCost] = {}
+        self.fusion_io: dict[str, tuple[dict[int, float], float | None]] = {}
         self.shapes = {c: {i.name: i.results for i in ins} for c, ins in comps.items()}
         self.by_name = {c: {i.name: i for i in ins} for c, ins in comps.items()}
 
@@ -326,7 +329,13 @@ class _Walker:
         operand_bytes = sum(s.bytes for o in ins.operands for s in shape_of(o))
         result_bytes = sum(s.bytes for s in ins.results)
         out_elems = sum(s.elements for s in ins.results)
-        if op not in _NO_BYTES and op != "custom-call":
+        if op == "fusion":
+            total.hbm_bytes += self._fusion_bytes(ins, shape_of)
+        elif op in ("dynamic-slice", "slice"):
+            total.hbm_bytes += 2 * result_bytes  # reads only the slice
+        elif op == "dynamic-update-slice":
+            total.hbm_bytes += 2 * sum(s.bytes for s in shape_of(ins.operands[1]))  # in place
+        elif op not in _NO_BYTES and op != "custom-call":
             total.hbm_bytes += operand_bytes + result_bytes
         if op == "while":
             body, cond = _attr(ins.attrs, "body"), _attr(ins.attrs, "condition")
@@ -364,6 +373,61 @@ class _Walker:
                 sum(s.elements for o in ins.operands[: max(len(ins.operands) // 2, 1)] for s in shape_of(o))
             total.flops += n
             total.elementwise_flops += n
+
+    def _fusion_bytes(self, ins: Instr, shape_of) -> float:
+        """HBM bytes of a fusion: each operand read whole, except one only sliced inside (the slices'
+        bytes: a layer's weights out of the stacked scan operand) or updated in place by a
+        dynamic-update-slice root (then the result writes only the update)."""
+        callee = _attr(ins.attrs, "calls")
+        if callee not in self.fusion_io:
+            body = self.comps.get(callee, [])
+            params = {i.name: int(i.operands[0]) for i in body if i.opcode == "parameter" and i.operands
+                      and i.operands[0].isdigit()}
+            users: dict[str, list[Instr]] = {}
+            for i in body:
+                for o in i.operands:
+                    users.setdefault(o, []).append(i)
+            read: dict[int, float] = {}
+            for name, idx in params.items():
+                part = self._sliced_read(callee, name, users)
+                if part is not None:
+                    read[idx] = part
+            write = None
+            root = body[-1] if body else None
+            if root is not None and root.opcode == "dynamic-update-slice" and root.operands[0] in params:
+                read[params[root.operands[0]]] = 0.0
+                upd = self.by_name[callee].get(root.operands[1])
+                write = sum(r.bytes for r in upd.results) if upd is not None else None
+            self.fusion_io[callee] = (read, write)
+        read, write = self.fusion_io[callee]
+        total = sum(read.get(i, sum(s.bytes for s in shape_of(o))) for i, o in enumerate(ins.operands))
+        return total + (sum(r.bytes for r in ins.results) if write is None else write)
+
+    def _sliced_read(self, comp: str, name: str, users: dict[str, list[Instr]] | None = None) -> float | None:
+        """Bytes read of value `name` of fused computation `comp` when every use only slices it
+        (directly or inside a nested fusion), else None (read whole)."""
+        if users is None:
+            users = {}
+            for i in self.comps.get(comp, []):
+                for o in i.operands:
+                    users.setdefault(o, []).append(i)
+        total = 0.0
+        for u in users.get(name, []):
+            if u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == name:
+                total += sum(r.bytes for r in u.results)
+            elif u.opcode == "fusion":
+                inner = _attr(u.attrs, "calls")
+                params = {int(i.operands[0]): i.name for i in self.comps.get(inner, [])
+                          if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()}
+                for j, o in enumerate(u.operands):
+                    if o == name:
+                        part = self._sliced_read(inner, params.get(j, ""))
+                        if part is None:
+                            return None
+                        total += part
+            else:
+                return None
+        return total if users.get(name) else None
 
     def _custom_call(self, ins: Instr, shape_of, io_bytes: float, total: HloCost) -> None:
         target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)

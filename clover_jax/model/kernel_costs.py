@@ -9,7 +9,8 @@ grouped matmuls of the MoE, whose estimates count their worst-case buffer.
   parallelism the receive buffer holds `ep * n * min(k, E_local)` rows (`moe`'s dropless worst
   case) but the kernels run only the tiles of the groups' rows (megablox: a grid of
   `group_tiles.sum()` tiles), and balanced routing fills `n * k` of them: their FLOPs are scaled by
-  that fill (`ep_buffer_fill`). Bytes keep the estimate.
+  that fill (`ep_buffer_fill`), and so are their bytes (the rows' operand and result tiles; the
+  weights they read scale with the tiles run too).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def step_kernel_cost(cfg: ModelConfig, expert_shards: int, block_size: int) -> C
         if name.startswith("splash_mha"):
             return splash_kernel_cost(name, operands, results, block_size=block_size)
         if name in GROUPED_MATMUL_KERNELS and estimate is not None:
-            return estimate[0] * fill, estimate[1]
+            return estimate[0] * fill, estimate[1] * fill
         return None
 
     return cost
