@@ -26,7 +26,8 @@ text (`compiled.as_text()`) is walked from the entry computation:
   of an all-reduce and a slice): bytes of the shard each chip contributes (operands; for
   all-gather the gathered result) x runs, and the ring traffic each chip sends: (n-1)/n of the
   full buffer for gather / scatter / all-to-all, 2(n-1)/n for all-reduce, all of it for a permute,
-  n the replica group size. Ragged all-to-all counts its whole output buffer (an upper bound).
+  n the replica group size. A ragged all-to-all counts the smaller of its send and receive buffers
+  (the MoE dispatch sends every row of its [n k, D] side; the other side is the worst-case buffer).
 
 The numbers are per device (an SPMD module is one device's program).
 """
@@ -455,8 +456,8 @@ class _Walker:
         kind, n = _COLLECTIVE_OPS[ins.opcode], _group_size(ins.attrs)
         if kind == "all-reduce" and self.in_reduce_scatter:
             kind = "reduce-scatter"
-        if ins.opcode == "ragged-all-to-all":
-            size = sum(s.bytes for s in shape_of(ins.operands[1])) if len(ins.operands) > 1 else 0.0
+        if ins.opcode == "ragged-all-to-all":  # the smaller of the send and the receive buffer
+            size = min(sum(s.bytes for s in shape_of(o)) for o in ins.operands[:2])
         else:
             data = [o for o in ins.operands if shape_of(o)]
             size = sum(s.bytes for o in data for s in shape_of(o))

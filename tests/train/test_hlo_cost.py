@@ -15,7 +15,8 @@ from train.hlo_cost import analyze, parse_module
 # A loop of 5 trips (counter from 2 to 7 by 1) around: a dot [8,16]x[16,32], a fusion holding a
 # convolution written the TPU way (a head-batched matmul as a size-4 window over a size-1 spatial
 # dim: one real tap per output), an all-gather (groups of 4) and an all-reduce (groups of 2); after
-# it a reduce-scatter fusion, an all-to-all, a collective-permute, a Mosaic call with a cost
+# it a reduce-scatter fusion, an all-to-all, a ragged all-to-all (send [8,16] into a [32,16] buffer), a
+# collective-permute, a Mosaic call with a cost
 # estimate, a kernel without one, and a conditional whose costlier branch counts.
 HLO = """HloModule hand
 
@@ -72,7 +73,10 @@ HLO = """HloModule hand
   ROOT %m2 = f32[8,16]{1,0} multiply(%m1, %d0)
 }
 
-ENTRY %main (x0: f32[8,16], w0: f32[16,32], big: f32[64,32], p: pred[]) -> f32[8,16] {
+ENTRY %main (x0: f32[8,16], w0: f32[16,32], big: f32[64,32], p: pred[], buf: f32[32,16], o: s32[4]) -> f32[8,16] {
+  %buf = f32[32,16]{1,0} parameter(4)
+  %o = s32[4]{0} parameter(5)
+  %ragged-all-to-all.1 = f32[32,16]{1,0} ragged-all-to-all(%x0, %buf, %o, %o, %o, %o), channel_id=6, replica_groups={{0,1,2,3},{4,5,6,7}}
   %x0 = f32[8,16]{1,0} parameter(0)
   %w0 = f32[16,32]{1,0} parameter(1)
   %big = f32[64,32]{1,0} parameter(2)
@@ -111,14 +115,14 @@ def test_hand_written_module_counts_by_hand():
         "all-gather": 5 * 8 * 16 * f4 * 4,  # the gathered result, 4 devices' shards
         "all-reduce": 5 * 16 * 32 * f4,
         "reduce-scatter": 64 * 32 * f4,
-        "all-to-all": 8 * 16 * f4,
+        "all-to-all": 8 * 16 * f4 + 8 * 16 * f4,  # + the ragged one: its [8, 16] send side, not the buffer
         "collective-permute": 8 * 16 * f4,
     }
     assert c.ici_bytes == pytest.approx({
         "all-gather": 5 * 8 * 16 * f4 * 4 * 3 / 4,  # ring: (n-1)/n of the full buffer
         "all-reduce": 5 * 16 * 32 * f4 * 2 * 1 / 2,  # 2 (n-1)/n
         "reduce-scatter": 64 * 32 * f4 * 3 / 4,
-        "all-to-all": 8 * 16 * f4 * 7 / 8,
+        "all-to-all": 8 * 16 * f4 * 7 / 8 + 8 * 16 * f4 * 3 / 4,
         "collective-permute": 8 * 16 * f4,
     })
     # HBM: the kernel's estimate; the fusion's operands and result, not its insides
