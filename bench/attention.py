@@ -4,11 +4,9 @@ over 2 KV heads, head dim 256, bf16): the dense jnp reference vs the splash kern
 
 Nothing runs: each variant is AOT-compiled for one TPU v5p chip through libtpu on this host, and
 the table shows the compiler's memory analysis (temporaries = the peak beyond inputs and outputs)
-and two FLOP counts: XLA's cost analysis (splash's Pallas calls carry no cost estimate, JAX's
-kernel, so it shows only the XLA-visible part) and the HLO walk of the compile plan
-(`train.hlo_cost` with splash costed by the tiles its mask runs,
-`pallas_kernels.attention_splash.kernel_cost`); the "visible pairs" column is the work the kernel
-cannot skip (query-key pairs its static mask allows, per head, both streams). Interpret-mode CPU time says
+and XLA's FLOP count. Splash's Pallas calls carry no cost estimate (JAX's kernel), so its FLOPs
+column shows only the XLA-visible part; the "visible pairs" column is the work the kernel cannot skip
+(query-key pairs its static mask allows, per head, both streams). Interpret-mode CPU time says
 nothing about TPU speed, so nothing is timed.
 
     python bench/attention.py                      # T = 2048, 8192, 32768, one row of one document
@@ -35,8 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.attention_dispatch import stream_attention  # noqa: E402
-from pallas_kernels.attention_splash import NoisyBlockMask, kernel_cost  # noqa: E402
-from train.hlo_cost import analyze  # noqa: E402
+from pallas_kernels.attention_splash import NoisyBlockMask  # noqa: E402
 
 H, K, D, BLOCK = 16, 2, 256, 32
 GiB = 1024**3
@@ -71,14 +68,12 @@ def compile_one(backend: str, rows: int, t: int, device) -> dict:
         if m is None:
             raise
         temp = float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024
-        return {"backend": backend, "T": t, "temp_GiB": temp / GiB, "fits": False, "xla_TFLOP": None,
-                "hlo_TFLOP": None}
+        return {"backend": backend, "T": t, "temp_GiB": temp / GiB, "fits": False, "xla_TFLOP": None}
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return {"backend": backend, "T": t, "temp_GiB": mem.temp_size_in_bytes / GiB, "fits": True,
-            "xla_TFLOP": float(cost.get("flops", 0.0)) / 1e12,
-            "hlo_TFLOP": analyze(compiled.as_text(), lambda *a: kernel_cost(*a, block_size=BLOCK)).flops / 1e12}
+            "xla_TFLOP": float(cost.get("flops", 0.0)) / 1e12}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,16 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"one full-attention layer core, both streams, fwd+bwd, {args.rows} row(s), H {H} / KV {K}, "
           f"head dim {D}, bf16, block {BLOCK}; AOT for one v5p chip (95 GiB HBM)")
-    print(f"{'T':>7}{'backend':>11}{'temp GiB':>10}{'fits':>6}{'XLA TFLOP':>11}{'HLO TFLOP':>11}"
-          f"{'visible pairs/head':>20}")
+    print(f"{'T':>7}{'backend':>11}{'temp GiB':>10}{'fits':>6}{'XLA TFLOP':>11}{'visible pairs/head':>20}")
     for t in (int(s) for s in args.seqs.split(",")):
         pairs = visible_pairs(t) * args.rows
         for backend in ("reference", "splash"):
             r = compile_one(backend, args.rows, t, device) | {"visible_pairs_per_head": pairs}
             rows.append(r)
-            fl, hl = ("n/a" if r[k] is None else f"{r[k]:.3f}" for k in ("xla_TFLOP", "hlo_TFLOP"))
-            print(f"{t:>7}{backend:>11}{r['temp_GiB']:>10.2f}{'yes' if r['fits'] else 'NO':>6}{fl:>11}{hl:>11}"
-                  f"{pairs:>20.3e}", flush=True)
+            fl = "n/a" if r["xla_TFLOP"] is None else f"{r['xla_TFLOP']:.3f}"
+            print(f"{t:>7}{backend:>11}{r['temp_GiB']:>10.2f}{'yes' if r['fits'] else 'NO':>6}{fl:>11}{pairs:>20.3e}",
+                  flush=True)
     Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
