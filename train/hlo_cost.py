@@ -474,11 +474,8 @@ class _Walker:
             ins = self.by_name[comp].get(ins.operands[0])
         if ins is None or ins.opcode != "constant":
             return None
-        m = re.match(r"\s*(-?\d+)", self._const_text(comp, ins))
+        m = re.match(r"\s*(-?\d+)", ins.operands[0] if ins.operands else "")  # constant(7)
         return int(m.group(1)) if m else None
-
-    def _const_text(self, comp: str, ins: Instr) -> str:
-        return ins.operands[0] if ins.operands else ""
 
     def _trip_count(self, comp: str, ins: Instr, body: str | None, cond: str | None) -> int | None:
         m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
