@@ -94,7 +94,10 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
     from clover_jax.yaml_config import ConfigError, apply_overrides, from_tree
     from sft.config import load_sft_config, model_config_from
     from sft.recipe import SFTSetup, sharded_abstract_state
-    from train.aot import CompileConfig, active_params, compile_plan, topology_mesh, tpu_kernels
+    from clover_jax.model.kernel_costs import step_kernel_cost
+    from clover_jax.parallel.remat import resolve as resolve_remat
+    from sft.step_flops import sft_step_flops
+    from train.aot import CompileConfig, compile_plan, topology_mesh, tpu_kernels
     from train.optimizer import build_optimizer
 
     comp = [o for o in overrides if o.split("=", 1)[0].startswith("compile.")]
@@ -138,11 +141,13 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
         setup = SFTSetup(cfg=cfg, model_cfg=mcfg, kind="abstract", init_path=None, tok_dir=None, data=None,
                          mesh=mesh, graphdef=graphdef, optimizer=optimizer, param_shardings=p_sh,
                          state_shardings=state_sh, abstract_state=state)
-        tokens = copies * rows * 2 * t  # both streams of every noisy copy
+        flops = sft_step_flops(mcfg, rows=rows, seq_len=t, block_size=bk, copies=copies, remat=resolve_remat(policy))
         plans.append(compile_plan(
             setup.make_step(bk), (state, batch), mesh=mesh, rules=sh.DEFAULT_RULES, remat_policy=policy,
             state_args=state, model=Path(path).stem, params=param_count(mcfg), topology=topo,
-            micro_batch=rows // mb, micro_batches=mb, seq_len=t, model_flops=6.0 * active_params(mcfg) * tokens,
+            micro_batch=rows // mb, micro_batches=mb, seq_len=t, model_flops=flops.model,
+            analytic_flops=flops.executed, tokens_per_step=rows * t,
+            kernel_cost=step_kernel_cost(mcfg, mesh.shape["expert"], bk),
             step_name=f"SFT step ({copies} noisy copies x clean+noisy streams, fwd+bwd+adamw)"))
     return plans
 
@@ -184,6 +189,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
             failed = True
     if len(plans) > 1:
         print(describe(plans))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump([p.as_dict() for p in plans], f, indent=1)
     return 1 if failed else 0
 
 
@@ -297,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML run config (model:, mesh:, compile: sections)")
     p.add_argument("--topology", default=None, help="v5p-64, v5p-128, v6e-256, v5litepod-16, v4-32, v5p:2x4x4, "
                    "or several comma-separated (then also a side-by-side table); default: compile.topology")
+    p.add_argument("--json", default=None, help="also write the plans (memory, FLOPs, collectives, roofline) "
+                   "to this JSON file")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. compile.seq_len=4096 mesh.expert=4")
     p.set_defaults(fn=cmd_compile)
 

@@ -25,6 +25,8 @@ Under a multi-device mesh the kernel runs in ``shard_map`` over batch and KV-hea
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Sequence
 from typing import Literal
 
@@ -190,3 +192,44 @@ def splash_attention(
         heads, rows = P(b_axes, h_axes), P(b_axes)
         out = gdn_sharding.run_sharded(core, mesh, (heads, heads, heads, rows, rows), heads, *args)
     return heads_first(out)[:, :t]
+
+
+# ---------------------------------------------------------------------------------------------
+# cost of a compiled splash call (the maintained kernel carries no pl.CostEstimate)
+#: matmuls of bq x bk x D per executed tile: fwd S = QK^T, O += PV; dq: S, dP = dO V^T, dQ = dS K;
+#: dkv: S, dP, dV = P^T dO, dK = dS^T Q
+_TILE_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
+
+
+def active_tiles(stream: Stream, tp: int, block_size: int) -> int:
+    """Tiles of one head's [Tp, S] mask that splash runs (not all masked), at ``block_sizes_for``:
+    counted by splash's own mask processing, the same tables the kernel walks."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as sa_info
+
+    mask = sa.CausalMask((tp, tp)) if stream == "clean" else NoisyBlockMask(tp, block_size)
+    bs = block_sizes_for(tp, mask.shape[1])
+    info, _ = sa_info.process_mask(sa.MultiHeadMask([mask]), (bs.block_q, bs.block_kv))
+    return int(np.count_nonzero(info.block_mask))
+
+
+def kernel_cost(name: str, operands: tuple, results: tuple, estimate: object = None, *,
+                block_size: int) -> tuple[float, float] | None:
+    """(FLOPs, bytes) of one compiled splash call named ``splash_mha_{fwd,dq,dkv}...`` (the
+    ``kernel_cost`` hook of `train.hlo_cost`): matmul FLOPs of the tiles the kernel runs for the
+    stream its shapes name (S = 2T: noisy, with the training ``block_size``), x batch x query heads;
+    bytes = its operands and results read / written once. None for any other kernel (``estimate``,
+    the call's own cost estimate, is unused: splash reports none).
+
+    ``operands`` / ``results``: the call's arrays (objects with ``dtype``, ``dims``, ``bytes``); q is
+    the first float [B, H, Tp, D] (or [H, Tp, D]) operand, k the next."""
+    m = re.match(r"splash_mha_(fwd|dq|dkv)", name)
+    arrays = [a for a in operands if len(a.dims) in (3, 4) and a.dtype in ("bf16", "f32", "f16")]
+    if m is None or len(arrays) < 2:
+        return None
+    (h, tp, d), s = arrays[0].dims[-3:], arrays[1].dims[-2]
+    b = math.prod(arrays[0].dims[:-3])  # the vmapped rows (squeezed away when one)
+    stream: Stream = "noisy" if s == 2 * tp else "clean"
+    bs = block_sizes_for(tp, s)
+    tiles = active_tiles(stream, tp, block_size if stream == "noisy" else 1)
+    flops = 2.0 * _TILE_MATMULS[m.group(1)] * tiles * bs.block_q * bs.block_kv * d * b * h
+    return flops, float(sum(a.bytes for a in (*operands, *results)))

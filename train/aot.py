@@ -1,10 +1,14 @@
-"""AOT memory planner: compile a train step for a TPU topology on this CPU machine and report the
-per-chip memory against the chip's HBM, and the step's FLOPs (docs/design.md 4, `launch.py compile`).
+"""AOT planner: compile a train step for a TPU topology on this CPU machine and report the per-chip
+memory against the chip's HBM, the step's cost per chip (FLOPs, HBM bytes, collective bytes by
+kind) and a roofline prediction of its time, tokens/s and MFU (docs/design.md 4, `launch.py compile`).
 
 Nothing of the model is materialised: params (fp32 master copies) and the optax adamw state are
 `jax.ShapeDtypeStruct`s carrying their shardings (the rule table of `clover_jax.parallel.sharding`), the
 topology's devices come from libtpu (`jax.experimental.topologies.get_topology_desc`), and
-`compiled.memory_analysis()` / `cost_analysis()` give the numbers of the real TPU program.
+`compiled.memory_analysis()` gives the memory of the real TPU program. The cost is walked from the
+optimized HLO (`train.hlo_cost`: every loop x its trip count; XLA's `cost_analysis()` counts a loop
+body once and is kept beside it), the Pallas kernels costed by `clover_jax.model.kernel_costs`; the
+roofline is `train.roofline`'s.
 
 Two entry points: `compile_plan(jitted, abstract_args, ...)` measures any jitted step (the launcher
 passes the real SFT step of a recipe: two-stream forward + masked-diffusion loss + backward +
@@ -33,9 +37,13 @@ from flax import nnx
 
 from clover_jax.parallel import remat, sharding
 from clover_jax.config import ModelConfig, param_count
+from clover_jax.model import kernel_costs
 from clover_jax.model.clover_model import abstract_model
 from clover_jax.run_config import CompileConfig  # the `compile:` section (re-exported)
 from clover_jax.yaml_config import ConfigError
+
+from . import hlo_cost
+from . import roofline as roofline_lib
 
 GiB = 1024**3
 
@@ -141,11 +149,15 @@ class MemoryPlan:
     alias_bytes: int
     temp_bytes: int
     code_bytes: int
-    flops_per_chip: float
-    model_flops: float  # 6 * active params * tokens (whole step, all chips)
+    flops_per_chip: float  # from the optimized HLO with loop trip counts (`hlo`); XLA's own count below
+    model_flops: float  # the FLOPs MFU counts (whole step, all chips): the analytic model count
     compile_seconds: float
     micro_batches: int = 1  # gradient accumulation: micro-batches of `micro_batch` rows per step
     step_name: str = "stand-in AR step"
+    xla_flops_per_chip: float = float("nan")  # XLA's cost analysis: every while body counted once
+    analytic_flops: float = float("nan")  # the analytic count of what the step executes (all chips)
+    tokens_per_step: int = 0  # data tokens per optimizer step (all chips)
+    hlo: Any = field(default=None, repr=False, compare=False)  # train.hlo_cost.HloCost of the program
     executable: Any = field(default=None, repr=False, compare=False)  # the jax Compiled (None if refused)
 
     @property
@@ -182,13 +194,57 @@ class MemoryPlan:
             row("generated code", self.code_bytes),
             row("total", self.total_bytes) + ("   fits" if self.fits else "   DOES NOT FIT")
             + ("" if self.compiled else " (the TPU compiler refused it: temporaries from its error)"),
-            (f"  FLOPs/step per chip {self.flops_per_chip:.3e} (XLA cost analysis: it counts each while body "
-             f"once, i.e. one layer group of one micro-batch, and not the splash attention kernels; "
-             f"x{self.topology.chips} chips = "
-             f"{self.flops_per_chip * self.topology.chips:.3e}) vs 6*N_active*tokens {self.model_flops:.3e}"
-             if self.compiled else f"  FLOPs/step: n/a (not compiled); 6*N_active*tokens {self.model_flops:.3e}"),
+            *self.cost_lines(),
         ]
         return "\n".join(lines)
+
+    def roofline(self) -> "roofline_lib.Roofline | None":
+        """The step's roofline on this topology's chip (None: not compiled, or no figures for it)."""
+        if self.hlo is None or self.topology.family not in roofline_lib.CHIPS:
+            return None
+        return roofline_lib.roofline(self.topology.family, flops=self.flops_per_chip, hbm_bytes=self.hlo.hbm_bytes,
+                                     ici_bytes=sum(self.hlo.ici_bytes.values()), chips=self.topology.chips,
+                                     tokens_per_step=self.tokens_per_step, model_flops=self.model_flops)
+
+    def cost_lines(self) -> list[str]:
+        """FLOPs, HBM and collective bytes per chip per step, against the analytic count, and the
+        roofline prediction."""
+        if self.hlo is None:
+            return [f"  FLOPs/step: n/a (not compiled); model FLOPs {self.model_flops:.3e}"]
+        h, n = self.hlo, self.topology.chips
+        kern = sum(f for _, f in h.kernels.values())
+        lines = [f"  per chip per step (optimized HLO, every loop x its trip count): FLOPs {self.flops_per_chip:.3e} "
+                 f"(dots {h.dot_flops / max(h.flops, 1):.0%}, Pallas kernels {kern / max(h.flops, 1):.0%}, "
+                 f"elementwise {h.elementwise_flops / max(h.flops, 1):.0%}), HBM {h.hbm_bytes / 1e9:,.1f} GB"]
+        coll = ", ".join(f"{k} {v / 1e9:,.2f}" for k, v in h.collective_bytes.items())
+        lines.append(f"  collectives per chip per step (GB): {coll}; ICI traffic {sum(h.ici_bytes.values()) / 1e9:,.2f} GB")
+        ratio = self.flops_per_chip * n / self.analytic_flops if self.analytic_flops == self.analytic_flops else None
+        lines.append(f"  FLOPs x {n} chips = {self.flops_per_chip * n:.3e}" +
+                     (f" vs the analytic count {self.analytic_flops:.3e} (ratio {ratio:.3f})" if ratio else "") +
+                     f"; model FLOPs (MFU) {self.model_flops:.3e}; XLA's cost analysis (loop bodies once) "
+                     f"{self.xla_flops_per_chip:.3e}/chip")
+        if h.uncosted:
+            lines.append(f"  kernels without a cost (counted as 0 FLOPs): {', '.join(sorted(h.uncosted))}")
+        if h.unknown_trips:
+            lines.append(f"  loops with an unreadable trip count (counted once): {len(h.unknown_trips)}")
+        r = self.roofline()
+        lines += r.lines() if r else [f"  roofline: no chip figures for {self.topology.family}"]
+        return lines
+
+    def as_dict(self) -> dict:
+        """The plan as JSON-ready numbers (bytes per chip, FLOPs, the roofline prediction)."""
+        r = self.roofline()
+        return {"model": self.model, "params": self.params, "step": self.step_name, "topology": self.topology.name,
+                "chips": self.topology.chips, "hbm_bytes_per_chip": self.topology.hbm_bytes, "mesh": self.mesh_shape,
+                "micro_batches": self.micro_batches, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
+                "remat": self.remat, "argument_bytes": self.argument_bytes, "output_bytes": self.output_bytes,
+                "alias_bytes": self.alias_bytes, "temp_bytes": self.temp_bytes, "code_bytes": self.code_bytes,
+                "total_bytes": self.total_bytes, "fits": self.fits, "compiled": self.compiled,
+                "compile_seconds": self.compile_seconds, "flops_per_chip": self.flops_per_chip,
+                "xla_flops_per_chip": self.xla_flops_per_chip, "analytic_flops": self.analytic_flops,
+                "model_flops": self.model_flops, "tokens_per_step": self.tokens_per_step,
+                "hlo_cost": self.hlo.as_dict() if self.hlo is not None else None,
+                "roofline": r.as_dict() if r else None}
 
     def suggestions(self) -> list[str]:
         out = []
@@ -310,11 +366,14 @@ def topology_mesh(topology: str, mesh_cfg: sharding.MeshConfig,
 
 
 def compile_plan(jitted: Any, args: tuple[Any, ...], *, mesh: jax.sharding.Mesh, rules: sharding.Rules,
-                 remat_policy: str, state_args: Any, **info: Any) -> MemoryPlan:
+                 remat_policy: str, state_args: Any, kernel_cost: hlo_cost.KernelCost | None = None,
+                 **info: Any) -> MemoryPlan:
     """Lowers + compiles `jitted(*args)` (abstract args carrying shardings) under the mesh, the rule
-    table and the remat policy, and reads the compiler's memory / cost analysis. `state_args`: the
-    donated part of `args` (its per-chip bytes stand in for the outputs when the TPU compiler refuses
-    the program for HBM). `info`: the MemoryPlan fields that describe the step."""
+    table and the remat policy, and reads the compiler's memory analysis and the program's cost
+    (`train.hlo_cost` over the optimized HLO, `kernel_cost` costing the Pallas kernels; XLA's own
+    count kept beside it). `state_args`: the donated part of `args` (its per-chip bytes stand in for
+    the outputs when the TPU compiler refuses the program for HBM). `info`: the MemoryPlan fields
+    that describe the step."""
     info = dict(info, remat=remat.resolve(remat_policy), mesh_shape=dict(mesh.shape),
                 remat_applied=remat.resolve(remat_policy) == "none" or stack_honours_remat_context())
     t0 = time.perf_counter()
@@ -335,11 +394,13 @@ def compile_plan(jitted: Any, args: tuple[Any, ...], *, mesh: jax.sharding.Mesh,
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    walked = hlo_cost.analyze(compiled.as_text(), kernel_cost)
     return MemoryPlan(
         **info, argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
         alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
         code_bytes=int(getattr(mem, "generated_code_size_in_bytes", 0)),
-        flops_per_chip=float((cost or {}).get("flops", float("nan"))), compile_seconds=seconds, executable=compiled,
+        flops_per_chip=walked.flops, xla_flops_per_chip=float((cost or {}).get("flops", float("nan"))), hlo=walked,
+        compile_seconds=seconds, executable=compiled,
     )
 
 
@@ -370,7 +431,9 @@ def plan(cfg: ModelConfig, mesh_cfg: sharding.MeshConfig, ccfg: CompileConfig, *
     jitted = jax.jit(fn, in_shardings=(p_sh, o_sh, b_sh), out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
     return compile_plan(jitted, (params, opt, batch), mesh=mesh, rules=rules, remat_policy=ccfg.remat,
                         state_args=(params, opt), model=model_name, params=param_count(cfg), topology=topo,
-                        micro_batch=b, seq_len=ccfg.seq_len, model_flops=6.0 * active_params(cfg) * b * ccfg.seq_len)
+                        micro_batch=b, seq_len=ccfg.seq_len, model_flops=6.0 * active_params(cfg) * b * ccfg.seq_len,
+                        tokens_per_step=b * ccfg.seq_len,
+                        kernel_cost=kernel_costs.step_kernel_cost(cfg, mesh.shape["expert"], block_size=1))
 
 
 def _per_device_bytes(tree: Any) -> int:
@@ -404,14 +467,16 @@ def check(p: MemoryPlan) -> MemoryPlan:
 def describe(plans: list[MemoryPlan]) -> str:
     """Several plans side by side (one row each), for comparing topologies / lengths / policies."""
     head = f"{'topology':<10}{'mesh':<26}{'seq':>7}{'batch':>6}{'remat':>8}{'args GiB':>10}{'temp GiB':>10}" \
-           f"{'total GiB':>10}{'of HBM':>8}{'TFLOP/chip':>11}{'compile s':>10}"
+           f"{'total GiB':>10}{'of HBM':>8}{'TFLOP/chip':>11}{'step ms*':>9}{'MFU*':>6}  {'bound*':<14}{'compile s':>9}"
     rows = [head]
     for p in plans:
         mesh = ",".join(f"{k[0]}{v}" for k, v in p.mesh_shape.items() if v > 1) or "1"
         rows.append(f"{p.topology.name:<10}{mesh:<26}{p.seq_len:>7}{p.micro_batch:>6}{p.remat[:7]:>8}"
                     f"{p.argument_bytes / GiB:>10.2f}{p.temp_bytes / GiB:>10.2f}{p.total_bytes / GiB:>10.2f}"
                     f"{100 * p.total_bytes / p.topology.hbm_bytes:>7.0f}%{p.flops_per_chip / 1e12:>11.1f}"
-                    f"{p.compile_seconds:>10.0f}")
+                    + (f"{1e3 * r.step_s:>9.0f}{100 * r.mfu:>5.0f}%  {r.bound:<14}" if (r := p.roofline()) else
+                       f"{'-':>9}{'-':>6}  {'-':<14}") + f"{p.compile_seconds:>9.0f}")
+    rows.append("* roofline prediction from the compiled program (not a measurement)")
     return "\n".join(rows)
 
 

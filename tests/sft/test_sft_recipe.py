@@ -9,7 +9,7 @@
 (c) bad input through `launch.py sft`: clear errors or counted skips, and an existing run's
     checkpoints and metrics are untouched (the record-level cases are in test_sft_converters.py
     and test_sft_pipeline.py);
-(d) the SFT step on 8 simulated devices (the recipe's fsdp x expert mesh, scaled down) gives the
+(d) the SFT step on 8 simulated devices (an fsdp x expert mesh) gives the
     losses and metrics that (a) logged on 1 device;
 (e) multi-size training: the block size of each update follows `draw_block_size`, also after a
     resume, each size compiled once (a stub step: the sizes' shapes are covered by test_sft_loss).
@@ -297,9 +297,9 @@ def test_bad_input_errors_and_counted_skips_keep_the_run(runs, capsys):
 
 
 def test_sft_run_on_8_devices_equals_1_device(runs):
-    """R8, the recipe on the recipe's mesh scaled to 8 simulated devices (fsdp 2 x expert 4:
-    agent_mix is fsdp x expert), against R0 on 1 device: the same init, batches and rngs, so the
-    logged losses agree to fp32 round-off, step for step (update 1 is in the warmup, whose
+    """R8, the recipe on an fsdp x expert mesh of 8 simulated devices (fsdp 2 x expert 4: the expert
+    parallel path), against R0 on 1 device: the same init, batches and rngs, so the logged losses
+    agree to fp32 round-off, step for step (update 1 is in the warmup, whose
     learning rate does not depend on train.steps), counts and routing exactly, the held-out eval
     after step 2 too; and the run writes its checkpoint (and measures the peak off the mesh: a
     one-device matmul inside the mesh context fails)."""
@@ -383,7 +383,7 @@ def test_multi_size_steps_follow_the_draw_and_resume():
 
 def test_agent_mix_recipe_parses_and_builds_its_data_mix(tok):
     """configs/agent_mix.yaml, the 35B recipe, without the 35B weights: the model spec (HF init
-    path, block mode, block 32), rows of 8192, the v5p-64 mesh (32 chips: fsdp 8 x expert 4), and
+    path, block mode, block 32), rows of 8192, the v5p-64 mesh (32 chips: fsdp 32), and
     the agent mix over ../shared/data: every source opens with records and few bad ones, and a
     packed row of 8192 tokens comes out block-aligned."""
     from dataclasses import replace
@@ -399,7 +399,7 @@ def test_agent_mix_recipe_parses_and_builds_its_data_mix(tok):
     m = model_config_from(cfg.model, ModelConfig())  # ModelConfig() is the Qwen3.6-35B-A3B architecture
     assert (m.mode, m.block_sizes, m.hidden_size, m.num_hidden_layers, m.num_experts) == ("block", (32,), 2048, 40, 256)
     assert cfg.data.seq_len == 8192 and cfg.data.seq_len % 32 == 0 and cfg.export.format == "clover"
-    assert cfg.mesh.axis_sizes(32) == {"data": 1, "fsdp": 8, "expert": 4, "context": 1, "tensor": 1}
+    assert cfg.mesh.axis_sizes(32) == {"data": 1, "fsdp": 32, "expert": 1, "context": 1, "tensor": 1}
     assert Path(cfg.data_root) == data_root.resolve()
     assert len(cfg.data.sources) >= 10 and all(s.weight > 0 for s in cfg.data.sources)
     assert {s.format for s in cfg.data.sources} >= {"bfcl", "tau_bench", "when2call", "toolbench", "swe_agent"}

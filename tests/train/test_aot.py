@@ -113,7 +113,8 @@ def test_compile_plans_the_recipe_sft_step_for_a_small_slice():
     """On v5p-8 with (fsdp=2, expert=2): it fits; the argument bytes are the per-chip shards of the
     fp32 params + adam mu (bf16) / nu (fp32) from the rule table + the batch, up to TPU layout
     padding; the program holds the real TPU ragged-all-to-all, ragged dots, the megablox tgmm
-    weight gradient and the Pallas (Mosaic) GDN kernels of both streams."""
+    weight gradient and the Pallas (Mosaic) GDN kernels of both streams; its FLOPs agree with the
+    analytic count within 10%."""
     from flax import nnx
 
     import launch
@@ -144,9 +145,17 @@ def test_compile_plans_the_recipe_sft_step_for_a_small_slice():
     assert "gdn_block_fwd" in hlo and "gdn_block_bwd" in hlo
     # both streams' attention through the splash kernels, forward and backward (attn_backend auto -> splash)
     assert "splash_mha_fwd" in hlo and "splash_mha_dkv" in hlo and "splash_mha_dq" in hlo
-    # XLA's count leaves out the Pallas/Mosaic kernels, so it is only bounded above by the model
-    assert 0 < p.flops_per_chip * p.topology.chips < 4 * p.model_flops
-    assert "fits" in p.table() and "SFT step" in p.table()
+    # the plan's FLOPs (the optimized HLO walked with loop trip counts, every kernel costed) agree
+    # with the analytic count of the step (sft.step_flops, remat full: the layers' forward twice)
+    assert not p.hlo.uncosted.keys() - {"ragged-dot-metadata"} and not p.hlo.unknown_trips
+    assert {"splash_mha_fwd_segmented_residuals", "gdn_block_fwd", "tgmm", "ragged-dot-none"} <= p.hlo.kernels.keys()
+    assert abs(p.flops_per_chip * p.topology.chips / p.analytic_flops - 1) < 0.10, p.table()
+    assert p.xla_flops_per_chip < p.flops_per_chip  # XLA's own count takes each loop body once
+    assert all(p.hlo.collective_bytes[k] > 0 for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all"))
+    table = p.table()
+    assert "fits" in table and "SFT step" in table and "roofline on v5p" in table and "not a measurement" in table
+    d = p.as_dict()
+    assert d["roofline"]["bound"] in ("compute", "HBM bandwidth", "interconnect") and 0 < d["roofline"]["mfu"] < 1
 
 
 def test_cli_reports_a_step_that_does_not_fit(capsys):

@@ -1,0 +1,103 @@
+"""Analytic FLOP count of one masked-diffusion SFT step (docs/design.md 3.3): what the compiled
+step's count (`train.hlo_cost`) is checked against, and the numerator of the plan's MFU.
+
+Per optimizer step, ``rows`` packed rows of ``seq_len`` tokens; the complementary copy doubles them
+(``copies`` = 2), and every copy runs the clean and the noisy stream through all layers. Forward
+FLOPs (a matmul of m x k by k x n = 2mkn), per token of either stream:
+
+- ``dense``: 2 x the matmul weights a token touches: attention q (+ gate), k, v, o projections; GDN
+  in / out projections and the depthwise conv taps; the router, k of the E routed experts, the
+  shared expert and its gate. Embedding lookup, norms and scalars: none.
+- ``attention`` (full-attention layers), per row: 4 H D per visible (query, key) pair; the clean
+  stream is causal: T (T + 1) / 2 pairs; a noisy query of block b sees the b * bs clean keys before
+  its block and the bs noisy keys of it: T (T + bs) / 2 pairs. One document per row (packing
+  only removes pairs; the kernels skip whole tiles, never per document).
+- ``gdn`` (linear-attention layers), per value head: the clean stream's chunked delta rule (chunk C,
+  the matmuls of `pallas_kernels.gdn_chunk_math`: k k^T, the doubling triangular inverse, k S, T R,
+  q k^T, q S, P delta, the state update) and the noisy stream's per-block readout (q k^T, P v,
+  q S over blocks of bs).
+- ``lm_head``: the logits of every noisy position, 2 D V (the CE skips chunks without a loss token
+  at run time; a static count cannot, so this is the upper bound the compiled program also has).
+
+``model`` = 3 x forward (backward = 2 x forward) is the step's model FLOPs (MFU); ``executed`` adds
+the layer stack's forward once more under ``remat: full`` (recomputed in the backward; the CE's
+custom VJP recomputes nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from clover_jax.config import FULL, ModelConfig
+
+__all__ = ["StepFlops", "sft_step_flops"]
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """Forward FLOPs of one SFT step by term (all chips together) and the step totals."""
+
+    dense: float
+    attention: float
+    gdn: float
+    lm_head: float
+    recompute: float  # the layer stack's forward again (remat full), else 0
+
+    @property
+    def forward(self) -> float:
+        return self.dense + self.attention + self.gdn + self.lm_head
+
+    @property
+    def model(self) -> float:
+        """Forward + backward (2 x forward): the FLOPs MFU counts."""
+        return 3.0 * self.forward
+
+    @property
+    def executed(self) -> float:
+        """What the step runs: model FLOPs + the rematerialised forward."""
+        return self.model + self.recompute
+
+
+def _dense_per_token(cfg: ModelConfig) -> tuple[float, float]:
+    """(forward FLOPs per token of a full-attention layer, of a GDN layer), MoE block included."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    attn = d * 2 * cfg.num_attention_heads * hd + 2 * d * cfg.num_key_value_heads * hd + cfg.num_attention_heads * hd * d
+    gdn = d * (cfg.gdn_conv_channels + cfg.gdn_value_dim + 2 * cfg.linear_num_value_heads) + cfg.gdn_value_dim * d
+    gdn += cfg.gdn_conv_channels * cfg.linear_conv_kernel_dim  # depthwise conv: one MAC per tap and channel
+    moe = d * cfg.num_experts + cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size
+    moe += 3 * d * cfg.shared_expert_intermediate_size + d
+    return 2.0 * (attn + moe), 2.0 * (gdn + moe)
+
+
+def _gdn_chunk_flops(c: int, k: int, v: int) -> float:
+    """Forward matmul FLOPs of one chunk of C tokens of one head (K key, V value dims)."""
+    inverse = 2 * math.ceil(math.log2(c)) * 2 * c**3  # two C x C x C products per doubling step
+    return 2 * c * c * k + inverse + 2 * c * k * v + 2 * c * c * v + 2 * c * c * k + 2 * c * k * v + 2 * c * c * v \
+        + 2 * c * k * v
+
+
+def sft_step_flops(cfg: ModelConfig, *, rows: int, seq_len: int, block_size: int, copies: int = 2,
+                   remat: str = "full") -> StepFlops:
+    """The analytic count of one SFT step of ``rows`` x ``seq_len`` tokens (module docstring).
+    ``remat``: the layer stack's policy; "full" recomputes its forward in the backward."""
+    if seq_len % block_size:
+        raise ValueError(f"seq_len {seq_len} is not a multiple of block_size {block_size}")
+    n_rows = copies * rows  # noisy rows; each also has its clean stream
+    tokens = n_rows * seq_len  # per stream
+    t, bs = seq_len, block_size
+    n_full = sum(1 for lt in cfg.layer_types if lt == FULL)
+    n_gdn = len(cfg.layer_types) - n_full
+    attn_tok, gdn_tok = _dense_per_token(cfg)
+    dense = 2 * tokens * (n_full * attn_tok + n_gdn * gdn_tok)
+    pairs = t * (t + 1) / 2 + t * (t + bs) / 2  # clean + noisy stream, per row
+    attention = n_full * n_rows * 4.0 * cfg.num_attention_heads * cfg.head_dim * pairs
+    c = min(cfg.gdn_chunk_size, t)
+    kd, vd, nv = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
+    clean = (t // c) * _gdn_chunk_flops(c, kd, vd)
+    noisy = (t // bs) * (2 * bs * bs * kd + 2 * bs * bs * vd + 2 * bs * kd * vd)
+    gdn = n_gdn * n_rows * nv * (clean + noisy)
+    lm_head = 2.0 * tokens * cfg.hidden_size * cfg.vocab_size
+    layers = dense + attention + gdn
+    return StepFlops(dense=dense, attention=attention, gdn=gdn, lm_head=lm_head,
+                     recompute=layers if remat == "full" else 0.0)

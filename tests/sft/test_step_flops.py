@@ -1,0 +1,46 @@
+"""The analytic SFT step count (`sft.step_flops`) on a config small enough to count by hand, and
+its attention pair counts against a brute-force count of the block-diffusion mask."""
+
+import numpy as np
+import pytest
+
+from clover_jax.config import ModelConfig
+from sft.step_flops import sft_step_flops
+
+CFG = ModelConfig(vocab_size=16, hidden_size=8, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=4, linear_num_key_heads=1,
+                  linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4, linear_conv_kernel_dim=4,
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6, shared_expert_intermediate_size=5,
+                  gdn_chunk_size=4, partial_rotary_factor=0.5, mrope_section=(1, 0, 0))
+
+
+def test_counts_by_hand():
+    f = sft_step_flops(CFG, rows=1, seq_len=8, block_size=4, copies=2, remat="full")
+    # weights a token touches: attention 8*2*2*4 (q + gate) + 2*8*4 (k, v) + 8*8 (o) = 256; GDN in
+    # 8*(16 + 8 + 4) + out 8*8 + conv 16*4 = 352; MoE router 32 + 2 experts 288 + shared 120 + gate 8
+    # = 448. 2 copies x 8 tokens = 16 per stream, 32 both: 32 * 2 * (256 + 448 + 352 + 448)
+    assert f.dense == 32 * 2 * (256 + 448 + 352 + 448) == 96256
+    # pairs per row: clean 8*9/2 = 36, noisy 8*12/2 = 48 (block 0: 4 noisy keys; block 1: 4 clean + 4
+    # noisy, 4 queries each); 4 H D = 32 per pair; 2 rows
+    assert f.attention == 2 * 32 * (36 + 48) == 5376
+    # GDN per value head and row: 2 chunks of 4 x (7 matmuls of 128 + the inverse 2*2*2*64 = 512), and
+    # 2 noisy blocks x (128 + 128 + 128); 2 heads, 2 rows
+    assert f.gdn == 2 * 2 * (2 * (7 * 128 + 512) + 2 * 3 * 128) == 14336
+    assert f.lm_head == 16 * 2 * 8 * 16 == 4096
+    assert f.forward == 120064 and f.model == 3 * 120064
+    assert f.executed == 3 * 120064 + (96256 + 5376 + 14336)  # remat full: the layers' forward again
+    assert sft_step_flops(CFG, rows=1, seq_len=8, block_size=4, remat="none").executed == 3 * 120064
+
+
+@pytest.mark.parametrize("t,bs", [(64, 4), (96, 32), (128, 16)])
+def test_attention_pairs_match_the_mask(t, bs):
+    """Clean: causal; noisy: clean keys strictly before the query's block start + its own block."""
+    q = np.arange(t)[:, None]
+    k = np.arange(t)[None, :]
+    clean = (k <= q).sum()
+    noisy = (k < q - q % bs).sum() + (k // bs == q // bs).sum()
+    cfg = CFG.replace(layer_types=("full_attention", "full_attention"))
+    f = sft_step_flops(cfg, rows=1, seq_len=t, block_size=bs, copies=1)
+    assert f.attention == 2 * 4 * 2 * 4 * (clean + noisy)  # 2 layers x 4 H D x pairs (1 row)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        sft_step_flops(CFG, rows=1, seq_len=t + 1, block_size=bs)
