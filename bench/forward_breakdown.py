@@ -75,6 +75,7 @@ def jax_rows(cfg, ids_np: np.ndarray, repeats: int) -> dict[str, tuple[float, fl
             lg.moe, lambda m, xx: m.shared_down_proj(jax.nn.silu(m.shared_gate_proj(xx)) * m.shared_up_proj(xx)),
             x, repeats),
         "lm_head + loss": _jax_pair(model, lambda m, xx: _jax_loss(m.logits(m.final_norm(xx)), ids), x, repeats),
+        "lm_head + chunked CE": _jax_pair(model, lambda m, xx: _chunked_ce(m, m.final_norm(xx), ids), x, repeats),
     }
     # routed-expert pieces with a fixed routing: dispatch (sort + gather), grouped FFN, combine
     flat_e = e_TK.reshape(-1)
@@ -91,6 +92,14 @@ def jax_rows(cfg, ids_np: np.ndarray, repeats: int) -> dict[str, tuple[float, fl
 def _jax_loss(logits_BTV, ids_BT):
     lp = jax.nn.log_softmax(logits_BTV, axis=-1)
     return -jnp.mean(jnp.take_along_axis(lp, ids_BT[..., None], axis=-1))
+
+
+def _chunked_ce(m, h_BTD, ids_BT):
+    from sft.loss import weighted_ce
+
+    w = m.embed.embedding[...].T if m.cfg.tie_word_embeddings else m.lm_head.kernel[...]
+    mask = jnp.ones(ids_BT.shape, bool)
+    return weighted_ce(h_BTD, w, ids_BT, mask / mask.size, mask)[0]
 
 
 def torch_rows(cfg, ids_np: np.ndarray, repeats: int) -> dict[str, tuple[float, float]]:
@@ -137,6 +146,8 @@ def torch_rows(cfg, ids_np: np.ndarray, repeats: int) -> dict[str, tuple[float, 
         "moe routed experts": pair(mlp, lambda xx: mlp.experts(xx.reshape(b * t, -1), *_routing(mlp, xx))),
         "moe shared expert": pair(mlp, lambda xx: mlp.shared_expert(xx)),
         "lm_head + loss": pair(model, loss),
+        "lm_head + chunked CE": pair(model, lambda xx: torch.nn.functional.cross_entropy(
+            model.lm_head(model.model.norm(xx)).reshape(-1, cfg.vocab_size), ids.reshape(-1))),
     }
 
 
