@@ -72,12 +72,16 @@ def jax_loss(m, x, loss: str):
     if loss == "naive":
         lp = jax.nn.log_softmax(m(x[:, :-1]), axis=-1)
         return -jnp.mean(jnp.take_along_axis(lp, x[:, 1:, None], axis=-1))
+    return chunked_ce(m, m.hidden_states(x[:, :-1])[0], x[:, 1:])
+
+
+def chunked_ce(m, h_BTD, targets_BT):
+    """Mean CE of final-normed hidden states against targets by the library's chunked CE."""
     from sft.loss import weighted_ce
 
-    h, _ = m.hidden_states(x[:, :-1])
     w = m.embed.embedding[...].T if m.cfg.tie_word_embeddings else m.lm_head.kernel[...]
-    mask = jnp.ones(x[:, 1:].shape, bool)
-    return weighted_ce(h, w, x[:, 1:], mask / mask.size, mask)[0]
+    mask = jnp.ones(targets_BT.shape, bool)
+    return weighted_ce(h_BTD, w, targets_BT, mask / mask.size, mask)[0]
 
 
 def bench_jax(cfg, ids_np, repeats, fwd_only=False, loss="chunked"):

@@ -19,7 +19,7 @@ from flax import nnx
 
 from clover_jax.model import moe as moe_lib
 from clover_jax.model.clover_model import create_model
-from forward import timeit as _best  # bench/ is on sys.path when forward.py runs
+from forward import chunked_ce, timeit as _best  # bench/ is on sys.path when forward.py runs
 
 
 def _jax_pair(module: nnx.Module, fn: Callable, x: jax.Array, repeats: int) -> tuple[float, float]:
@@ -75,7 +75,7 @@ def jax_rows(cfg, ids_np: np.ndarray, repeats: int) -> dict[str, tuple[float, fl
             lg.moe, lambda m, xx: m.shared_down_proj(jax.nn.silu(m.shared_gate_proj(xx)) * m.shared_up_proj(xx)),
             x, repeats),
         "lm_head + loss": _jax_pair(model, lambda m, xx: _jax_loss(m.logits(m.final_norm(xx)), ids), x, repeats),
-        "lm_head + chunked CE": _jax_pair(model, lambda m, xx: _chunked_ce(m, m.final_norm(xx), ids), x, repeats),
+        "lm_head + chunked CE": _jax_pair(model, lambda m, xx: chunked_ce(m, m.final_norm(xx), ids), x, repeats),
     }
     # routed-expert pieces with a fixed routing: dispatch (sort + gather), grouped FFN, combine
     flat_e = e_TK.reshape(-1)
@@ -92,14 +92,6 @@ def jax_rows(cfg, ids_np: np.ndarray, repeats: int) -> dict[str, tuple[float, fl
 def _jax_loss(logits_BTV, ids_BT):
     lp = jax.nn.log_softmax(logits_BTV, axis=-1)
     return -jnp.mean(jnp.take_along_axis(lp, ids_BT[..., None], axis=-1))
-
-
-def _chunked_ce(m, h_BTD, ids_BT):
-    from sft.loss import weighted_ce
-
-    w = m.embed.embedding[...].T if m.cfg.tie_word_embeddings else m.lm_head.kernel[...]
-    mask = jnp.ones(ids_BT.shape, bool)
-    return weighted_ce(h_BTD, w, ids_BT, mask / mask.size, mask)[0]
 
 
 def torch_rows(cfg, ids_np: np.ndarray, repeats: int) -> dict[str, tuple[float, float]]:
