@@ -3,15 +3,24 @@ same CPU, side by side. Prints a table with ratios and the fraction of measured 
 
     python bench/forward.py                       # small-cpu preset, batch 4 x 512
     python bench/forward.py --batch 2 --seq 256 --repeats 3
+    python bench/forward.py --loss naive          # full-logits log_softmax + gather on both sides
+
+fwd+bwd loss (`--loss`): `chunked` (default) is each library's own training CE: ours the chunked
+CE with its fused backward that the AR and SFT steps use (`sft.loss.weighted_ce`), torch's
+`F.cross_entropy` (what transformers' loss calls); `naive` is a hand-written full-logits
+log_softmax + gather on both sides.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # sft.loss
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -58,7 +67,24 @@ def model_flops_per_token(cfg, seq: int) -> float:
     return 2.0 * active
 
 
-def bench_jax(cfg, ids_np, repeats, fwd_only=False):
+def jax_loss(m, x, loss: str):
+    """Mean next-token CE of ids x [B, T] (see the module docstring for `loss`)."""
+    if loss == "naive":
+        lp = jax.nn.log_softmax(m(x[:, :-1]), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(lp, x[:, 1:, None], axis=-1))
+    return chunked_ce(m, m.hidden_states(x[:, :-1])[0], x[:, 1:])
+
+
+def chunked_ce(m, h_BTD, targets_BT):
+    """Mean CE of final-normed hidden states against targets by the library's chunked CE."""
+    from sft.loss import weighted_ce
+
+    w = m.embed.embedding[...].T if m.cfg.tie_word_embeddings else m.lm_head.kernel[...]
+    mask = jnp.ones(targets_BT.shape, bool)
+    return weighted_ce(h_BTD, w, targets_BT, mask / mask.size, mask)[0]
+
+
+def bench_jax(cfg, ids_np, repeats, fwd_only=False, loss="chunked"):
     model = create_model(cfg)
     ids = jnp.asarray(ids_np)
 
@@ -67,9 +93,7 @@ def bench_jax(cfg, ids_np, repeats, fwd_only=False):
         return m(x)
 
     def loss_fn(m, x):
-        logits = m(x[:, :-1])
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(lp, x[:, 1:, None], axis=-1))
+        return jax_loss(m, x, loss)
 
     @nnx.jit
     def fwd_bwd(m, x):
@@ -82,7 +106,7 @@ def bench_jax(cfg, ids_np, repeats, fwd_only=False):
     return t_f, t_fb
 
 
-def bench_torch(cfg, ids_np, repeats, fwd_only=False):
+def bench_torch(cfg, ids_np, repeats, fwd_only=False, loss="chunked"):
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -98,9 +122,13 @@ def bench_torch(cfg, ids_np, repeats, fwd_only=False):
     def fwd_bwd():
         model.zero_grad(set_to_none=True)
         out = model(ids[:, :-1], labels=None)
-        lp = torch.log_softmax(out.logits, -1)
-        loss = -lp.gather(-1, ids[:, 1:, None]).mean()
-        loss.backward()
+        if loss == "naive":
+            lp = torch.log_softmax(out.logits, -1)
+            value = -lp.gather(-1, ids[:, 1:, None]).mean()
+        else:
+            value = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]),
+                                                      ids[:, 1:].reshape(-1))
+        value.backward()
 
     t_fb = float("nan") if fwd_only else timeit(fwd_bwd, repeats)
     return timeit(fwd, repeats), t_fb, torch.get_num_threads()
@@ -113,6 +141,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--moe-impl", default=None, help="override cfg.moe_impl (ragged|dense)")
+    ap.add_argument("--loss", choices=("chunked", "naive"), default="chunked",
+                    help="fwd+bwd loss: each library's training CE, or full-logits log_softmax + gather")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--fwd-only", action="store_true", help="skip fwd+bwd")
     ap.add_argument("--breakdown", action="store_true",
@@ -128,12 +158,12 @@ def main() -> None:
     flops_tok = model_flops_per_token(cfg, args.seq)
     print(f"config {args.preset}: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers} "
           f"({cfg.layer_types.count('linear_attention')} GDN), experts {cfg.num_experts} top-{cfg.num_experts_per_tok}, "
-          f"vocab {cfg.vocab_size}; batch {args.batch} x {args.seq}; moe_impl {cfg.moe_impl}")
+          f"vocab {cfg.vocab_size}; batch {args.batch} x {args.seq}; moe_impl {cfg.moe_impl}; loss {args.loss}")
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({jax.device_count()} JAX CPU device(s))")
-    t_f, t_fb = bench_jax(cfg, ids, args.repeats, args.fwd_only)
+    t_f, t_fb = bench_jax(cfg, ids, args.repeats, args.fwd_only, args.loss)
     rows = [("clover_jax", t_f, t_fb)]
     if not args.skip_torch:
-        tt_f, tt_fb, threads = bench_torch(cfg, ids, args.repeats, args.fwd_only)
+        tt_f, tt_fb, threads = bench_torch(cfg, ids, args.repeats, args.fwd_only, args.loss)
         rows.append((f"transformers (torch, {threads} threads)", tt_f, tt_fb))
     print(f"\n{'impl':<34} {'fwd tok/s':>11} {'fwd+bwd tok/s':>14} {'fwd+bwd % peak':>15}")
     for name, f, fb in rows:

@@ -19,7 +19,7 @@ from flax import nnx
 
 from clover_jax.model import moe as moe_lib
 from clover_jax.model.clover_model import create_model
-from forward import timeit as _best  # bench/ is on sys.path when forward.py runs
+from forward import chunked_ce, timeit as _best  # bench/ is on sys.path when forward.py runs
 
 
 def _jax_pair(module: nnx.Module, fn: Callable, x: jax.Array, repeats: int) -> tuple[float, float]:
@@ -75,6 +75,7 @@ def jax_rows(cfg, ids_np: np.ndarray, repeats: int) -> dict[str, tuple[float, fl
             lg.moe, lambda m, xx: m.shared_down_proj(jax.nn.silu(m.shared_gate_proj(xx)) * m.shared_up_proj(xx)),
             x, repeats),
         "lm_head + loss": _jax_pair(model, lambda m, xx: _jax_loss(m.logits(m.final_norm(xx)), ids), x, repeats),
+        "lm_head + chunked CE": _jax_pair(model, lambda m, xx: chunked_ce(m, m.final_norm(xx), ids), x, repeats),
     }
     # routed-expert pieces with a fixed routing: dispatch (sort + gather), grouped FFN, combine
     flat_e = e_TK.reshape(-1)
@@ -137,6 +138,8 @@ def torch_rows(cfg, ids_np: np.ndarray, repeats: int) -> dict[str, tuple[float, 
         "moe routed experts": pair(mlp, lambda xx: mlp.experts(xx.reshape(b * t, -1), *_routing(mlp, xx))),
         "moe shared expert": pair(mlp, lambda xx: mlp.shared_expert(xx)),
         "lm_head + loss": pair(model, loss),
+        "lm_head + chunked CE": pair(model, lambda xx: torch.nn.functional.cross_entropy(
+            model.lm_head(model.model.norm(xx)).reshape(-1, cfg.vocab_size), ids.reshape(-1))),
     }
 
 

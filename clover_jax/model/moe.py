@@ -7,9 +7,10 @@ compute the same function (`ModelConfig.moe_impl`):
   forward and input gradient, the weight gradient by `tgmm`: the megablox kernel on TPU, where
   JAX's own transpose of `ragged_dot` would multiply every row by every local expert's mask; gate
   and up fused into one n = 2I projection); no capacity, so no token is ever dropped;
-* `blocked`: the same sort, then each expert's group is padded to a multiple of a row block and the
-  blocks run as one batched matmul against their expert's weights (an XLA grouped matmul, the fast
-  path on CPU and GPU, where `ragged_dot` expands to a dense masked product);
+* `blocked`: the same sort, then each expert's group is padded to a multiple of a row block and a
+  loop runs the used blocks against their expert's weights, with a custom VJP
+  (`clover_jax.model.moe_blocked`; the path on CPU and GPU, where `ragged_dot` expands to a dense
+  masked product);
 * `dense`: every token through every expert, weighted by a dense [T, E] combine matrix: the plain
   reference (E/k times the FLOPs).
 
@@ -34,6 +35,7 @@ from flax import nnx
 
 from clover_jax.parallel import remat, sharding
 from clover_jax.config import ModelConfig
+from clover_jax.model.moe_blocked import blocked_ffn
 from clover_jax.model.moe_platform import resolve_impl, tgmm_tiling
 from clover_jax.model.nn import Dense, dtype_of, make_param, normal
 
@@ -60,13 +62,6 @@ def load_balancing_loss(probs_TE: jax.Array, experts_TK: jax.Array, valid_T: jax
 
 # ---------------------------------------------------------------------------------------------
 # grouped expert FFN on rows already sorted by expert
-def _block_rows(n: int, e: int) -> int:
-    """Row block for the `blocked` path: about a quarter of the mean group size, in [8, 128], so the
-    padding (at most e * (block - 1) rows) stays a small fraction of the n real rows."""
-    target = max(8, min(128, n // (4 * e)))
-    return 1 << (target.bit_length() - 1)
-
-
 def _swiglu(h: jax.Array, u: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return (jax.nn.silu(h) * u).astype(dtype)
 
@@ -135,7 +130,7 @@ def grouped_ffn(xs_MD: jax.Array, group_sizes_G: jax.Array, wi_gate_GDI: jax.Arr
     `sum(group_sizes)` (buffer padding) come out as exact zeros. Returns [M, D] fp32.
 
     `impl`: "ragged" (`gmm`: `ragged_dot` with the `tgmm` weight gradient), "blocked" (padded row
-    blocks, static bound M + G*(blk-1) rows) or "dense" (every row through every expert, masked:
+    blocks, `moe_blocked.blocked_ffn`) or "dense" (every row through every expert, masked:
     the reference). `platform` (default: JAX's backend) picks the `tgmm` implementation."""
     m, d = xs_MD.shape
     g = wi_gate_GDI.shape[0]
@@ -161,20 +156,7 @@ def grouped_ffn(xs_MD: jax.Array, group_sizes_G: jax.Array, wi_gate_GDI: jax.Arr
         return jnp.einsum("mgd,mg->md", y, onehot_MG)
     if impl != "blocked":
         raise ValueError(f"unknown grouped_ffn impl {impl!r}")
-    blk = _block_rows(m, g)
-    nb = -(-(m + g * (blk - 1)) // blk)
-    sizes = group_sizes_G.astype(jnp.int32)
-    padded = -(-sizes // blk) * blk
-    start, pstart = ends - sizes, jnp.cumsum(padded) - padded
-    gc = jnp.minimum(group, g - 1)
-    dest = jnp.where(valid, pstart[gc] + row - start[gc], nb * blk)  # row in the padded layout
-    xb = jnp.zeros((nb * blk, d), dt).at[dest].set(xs_MD, mode="drop").reshape(nb, blk, d)
-    # expert owning each block (trailing empty blocks reuse the last expert on zero rows)
-    block_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(nb) * blk, side="right"), g - 1)
-    h = jnp.einsum("bmd,bdi->bmi", xb, wi_gate_GDI[block_e], preferred_element_type=jnp.float32)
-    u = jnp.einsum("bmd,bdi->bmi", xb, wi_up_GDI[block_e], preferred_element_type=jnp.float32)
-    y = jnp.einsum("bmi,bid->bmd", _swiglu(h, u, dt), wo_GID[block_e], preferred_element_type=jnp.float32)
-    return jnp.take(y.reshape(nb * blk, d), dest, axis=0, mode="fill", fill_value=0.0)
+    return blocked_ffn(xs_MD, group_sizes_G, wi_gate_GDI, wi_up_GDI, wo_GID)
 
 
 def combine(y_rows_ND: jax.Array, order_N: jax.Array, weights_TK: jax.Array) -> jax.Array:
