@@ -151,17 +151,20 @@ def test_pallas_matches_oracles(case, form):
 
 def test_bf16_inputs(case):
     """bf16 q/k/v: fp32 state and accumulation, bf16 matmul operands. The oracle is the fp32
-    reference on the same bf16-rounded inputs, so the gap is the operand rounding only (~2^-8)."""
+    reference on the same bf16-rounded inputs, so the gap is the rounding of the kernel's bf16 matmul
+    operands (2^-8 relative each) and of its bf16 outputs (o, dq, dk, dv: 2^-9): bound 2 * 2^-8 of each
+    tensor's scale (measured on this case: 4.3e-3 for o, at most 3.9e-3 for the gradients)."""
     x, seg, _, _ = case
     o, s, grads = loss_and_grads(pallas_tpu_form, x, seg, C, cast=jnp.bfloat16)
     assert o.dtype == jnp.bfloat16 and s.dtype == np.float32
     assert all(a.dtype == jnp.bfloat16 for a in grads[:3]) and grads[3].dtype == np.float32
     x_r = dict(x, **{n: np.asarray(jnp.asarray(x[n], jnp.bfloat16).astype(jnp.float32)) for n in ("q", "k", "v")})
     o_r, s_r, g_r = loss_and_grads(chunk_gated_delta_rule_ref, x_r, seg, C)  # shares the fixture's compile
-    assert maxdiff(o.astype(np.float32), o_r) <= 2e-2 * float(np.max(np.abs(o_r)))
-    assert maxdiff(s, s_r) <= 2e-2 * float(np.max(np.abs(s_r)))
+    bound = 2 * 2.0 ** -8
+    assert maxdiff(o.astype(np.float32), o_r) <= bound * float(np.max(np.abs(o_r)))
+    assert maxdiff(s, s_r) <= bound * float(np.max(np.abs(s_r)))
     for name, a, b in zip(NAMES, grads, g_r):
-        assert maxdiff(a.astype(np.float32), b) <= 3e-2 * float(np.max(np.abs(b))), name
+        assert maxdiff(a.astype(np.float32), b) <= bound * float(np.max(np.abs(b))), name
 
 
 # ------------------------------------------------------------------ pieces of the kernel
