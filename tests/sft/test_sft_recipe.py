@@ -163,8 +163,8 @@ def runs(tmp_path_factory):
     device and R8 on 8 devices (2 steps, no export); then, in a background thread while the other
     tests run, R1 (the worker, SIGKILL after step 3), R2 (`launch.py sft`: resumes from step 2,
     SIGTERMed from outside after it logged step 3) and R3 (`launch.py sft`: resumes from R2's
-    checkpoint, runs to the end), which reuse R0's compiles. Only R0 counts FLOPs for the MFU (`count_flops`: a lowering of the
-    unrolled stack). `runs["resume"]()` waits for R1, R2 and R3."""
+    checkpoint, runs to the end), which reuse R0's compiles. Only R0 counts FLOPs for the MFU
+    (`count_flops`: a lowering of the unrolled stack). `runs["resume"]()` waits for R1, R2 and R3."""
     import threading
 
     from sft.config import load_sft_config
