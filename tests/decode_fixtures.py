@@ -321,6 +321,30 @@ def trained_checkpoint(task: TinyTaskConfig = TinyTaskConfig()) -> Path:
     return final / "hf"
 
 
+@functools.lru_cache(maxsize=None)
+def trained_model(task: TinyTaskConfig = TinyTaskConfig()) -> tuple[Any, Any, Any]:
+    """(config, CloverModel, tokenizer) of `trained_checkpoint(task)`, loaded once per process (the
+    decoding tests share it, and with it their compiled programs)."""
+    from clover_jax.api import load_hf
+    from clover_jax.bridge.tokenizer import load_tokenizer
+
+    path = trained_checkpoint(task)
+    cfg, model = load_hf(path)
+    return cfg, model, load_tokenizer(path)
+
+
+@functools.lru_cache(maxsize=None)
+def peaked_random_model(task: TinyTaskConfig = TinyTaskConfig()) -> Any:
+    """A random model on the trained config (same compiled functions) with its lm_head scaled by 30:
+    peaked distributions, confident but arbitrary (near-ties between a random model's flat
+    confidences would make token-for-token comparisons a coin toss in the last float bit)."""
+    from clover_jax.model.clover_model import create_model
+
+    model = create_model(trained_model(task)[0], 7)
+    model.lm_head.kernel.set_value(model.lm_head.kernel[...] * 30.0)
+    return model
+
+
 def prompt_key(rec: dict) -> str:
     """What the model is shown for `rec` (prompt messages + offered tools), as a comparable string."""
     prompt, _, tools = split_example(rec)

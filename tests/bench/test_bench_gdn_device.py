@@ -3,7 +3,8 @@
 The script is meant to run once, unattended, on a lent GPU/TPU machine with minutes of budget; this
 runs the same code on CPU (kernels in interpret mode, tiny shapes) so that it cannot rot unnoticed.
 The oracle is the script's own comparison against ``backend="reference"``: the interpret-mode
-kernels must agree with it as tightly as the kernel tests demand (fp32).
+kernels must agree with it to fp32 round-off: every error (max |kernel - reference| / max |reference|)
+at most FP32_REL = 1e-5 (tests/model/parity_utils.py; measured at most 1.3e-6).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import os
 
 import pytest
+
+from tests.model.parity_utils import FP32_REL
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -30,7 +33,7 @@ def test_device_check_smoke_runs_both_ops_and_matches_the_reference(tmp_path):
     assert set(block["errors"]) >= {"o_clean", "o_noisy", "dqn", "dkn", "dvn", "dscalars"}
     for r in report["rows"]:
         for name, err in r["errors"].items():
-            assert err <= 1e-4, (r["op"], name, err)
+            assert err <= FP32_REL, (r["op"], name, err)
         assert set(r["time_s"]) == {f"{b}_{p}" for b in ("pallas", "reference") for p in ("fwd", "fwd_bwd")}
         assert all(t > 0 for t in r["time_s"].values())
 

@@ -14,39 +14,27 @@ would make token-for-token comparisons a coin toss in the last float bit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from clover_jax.api import load_hf
 from clover_jax.decoding.generator import DecodeConfig, DecodeError, Decoder, apply_calibration, make_layout, resolve_eos_ids
 from clover_jax.decoding.metrics import tool_call_validity
 from clover_jax.decoding.rules import choose_tokens, commit_mask, filter_logits, repetition_penalty
-from clover_jax.model.clover_model import create_model
-from clover_jax.bridge.tokenizer import load_tokenizer
-from tests.decode_fixtures import (TinyTaskConfig, encode_example, eval_records, task_records, tool_call_records,
-                                   trained_checkpoint)
+from clover_jax.model.clover_model import CloverModel, create_model
+from tests.decode_fixtures import (TinyTaskConfig, encode_example, eval_records, peaked_random_model, task_records,
+                                   tool_call_records, trained_model)
 
 MAX_NEW = 48
 BUCKET = 16  # every test decodes 16-row batches (dummy rows pad): the tests share compiled programs
 
 
-@functools.lru_cache(maxsize=None)
-def trained():
-    path = trained_checkpoint()
-    cfg, model = load_hf(path)
-    return cfg, model, load_tokenizer(path)
-
-
-@functools.lru_cache(maxsize=None)
-def random_model():
-    cfg, _, _ = trained()
-    model = create_model(cfg, 7)
-    model.lm_head.kernel.set_value(model.lm_head.kernel[...] * 30.0)
-    return model
+trained, random_model = trained_model, peaked_random_model  # shared with test_decoding_semantics.py
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +55,21 @@ def test_held_out_prompts_are_not_training_prompts():
     assert len(held) == 64 and held[:16] == tool_call_records(16)
     assert not [r for r in held
                 if (r["messages"][0]["content"], tuple(t["function"]["name"] for t in r["tools"])) in seen]
+
+
+@contextlib.contextmanager
+def backend_compiles():
+    """Counts XLA backend compiles (jax's monitoring events) inside the block: `with ... as n`, n[0]."""
+    n = [0]
+
+    def on_event(event: str, duration: float, **kw) -> None:
+        n[0] += event == "/jax/core/compile/backend_compile_duration"
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        yield n
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
 
 
 def dcfg(**kw) -> DecodeConfig:
@@ -210,6 +213,41 @@ def test_self_speculative_equals_ar_greedy(block):
             assert sp_out.stats["tokens_per_forward"] > 1.0
 
 
+def _wrong_drafts(model, draft_id: int) -> CloverModel:
+    """`model` whose denoising forward (block_step; the commit pass, `extend`, is untouched) puts
+    +1e4 on `draft_id`: every drafted position is `draft_id`, confidently."""
+
+    class WrongDrafts(CloverModel):
+        def block_step(self, *a, **kw):
+            out = super().block_step(*a, **kw)
+            lg, st = out if isinstance(out, tuple) else (out, None)
+            lg = lg + jnp.where(jnp.arange(lg.shape[-1]) == draft_id, 1e4, 0.0)
+            return lg if st is None else (lg, st)
+
+    out = WrongDrafts(model.cfg, rngs=nnx.Rngs(0))
+    nnx.update(out, nnx.state(model))
+    return out
+
+
+def test_self_speculative_rejections_when_every_draft_is_wrong():
+    """Hand count of `rejections`: drafts that are always a token AR greedy never produces are
+    wrong at every position, so each verification keeps none of them and fixes one (the AR token at
+    the first disagreement): a block with n positions to fill takes n rejected commit passes and a
+    final verified one. With first-token commit a generated block start is known (not drafted), so
+    a row of MAX_NEW tokens has MAX_NEW - (generated block starts) rejections, commit_passes =
+    rejections + blocks, and the output is still AR greedy."""
+    _, model, _ = trained()
+    ps, k = prompts(), 5
+    ar, _ = decode(model, ps, mode="ar", eos_token_ids=())
+    draft = min(set(range(3, model.cfg.vocab_size)) - {t for r in ar for t in r} - {model.cfg.mask_token_id})
+    sp, out = decode(_wrong_drafts(model, draft), ps, mode="self_speculative", block_size=k, eos_token_ids=())
+    assert sp == ar
+    for p, g in zip(ps, out.generations):
+        starts = int(np.sum((len(p) + np.arange(MAX_NEW)) % k == 0))
+        assert g.stats["rejections"] == MAX_NEW - starts, (len(p), g.stats)
+        assert g.stats["commit_passes"] == g.stats["rejections"] + g.stats["blocks"], g.stats
+
+
 def test_eos_stops_and_nothing_after_it():
     """With an EOS id that AR greedy produces mid-way, every mode returns the AR output cut right
     after that token (threshold at block 1, self-speculative at block 5); threshold decoding at
@@ -325,6 +363,48 @@ def test_sampled_decoding_is_seeded():
     _, out = decode(model, ps, block_size=4, threshold=0.9, temperature=0.8, top_k=1, seed=3,
                     first_token_commit=False)
     assert all(g.stats["denoise_steps"] == g.stats["blocks"] for g in out.generations)
+
+
+def test_sampling_settings_are_traced_not_compiled_in():
+    """README: temperature, top-k, top-p, the threshold, the repetition penalty, first-token commit
+    and vocab_limit are run-time inputs of the compiled loops. After one decode, decoding with each
+    of them changed compiles nothing (XLA backend compiles, counted), and each change shows in the
+    tokens or the step counts; a fresh jit inside the same count does register (the counter counts)."""
+    model = trained()[1]
+    ps = prompts()
+    base, base_out = decode(model, ps, block_size=4)
+    top = max(t for r in base for t in r)  # a token the base output uses: vocab_limit=top bans it
+    settings = [dict(threshold=0.5), dict(temperature=1.5, top_k=20, top_p=0.95, seed=1),
+                dict(repetition_penalty=1.5), dict(first_token_commit=False), dict(vocab_limit=top)]
+    steps = lambda out: [g.stats["denoise_steps"] for g in out.generations]  # noqa: E731
+    with backend_compiles() as n:
+        outs = [decode(model, ps, block_size=4, **kw) for kw in settings]
+        after_decodes = n[0]
+        jax.jit(lambda x: x * 3 + 1)(jnp.zeros(3))
+    assert after_decodes == 0 and n[0] >= 1
+    for kw, (toks, out) in zip(settings, outs):
+        assert toks != base or steps(out) != steps(base_out), kw
+
+
+def test_length_bucket_shares_programs_between_nearby_prompt_lengths():
+    """`length_bucket` rounds the buffer up so nearby prompt sets share compiled programs: at block
+    4 with the default 32 the two shortest held-out prompts (33, 34 tokens) need a 96-slot buffer
+    (first block at slot 32) while the test prompts (up to 46) need 128 (slot 64); with 64 both get
+    128, so the short set decodes with the programs already compiled for the test prompts (no
+    compile). The tokens do not depend on the bucket."""
+    _, model, tok = trained()
+    ps = prompts()
+    short = sorted((tuple(encode_example(tok, r)[0]) for r in eval_records(64)), key=len)[:2]
+    assert [len(p) for p in short] == [33, 34] and max(len(p) for p in ps) > 36
+    lay = lambda b, x: Decoder(model, dcfg(block_size=4, length_bucket=b)).layout([list(p) for p in x])  # noqa: E731
+    assert (lay(32, short).prefill_len, lay(32, short).total_len) == (32, 96)
+    assert (lay(32, ps).prefill_len, lay(32, ps).total_len) == (lay(64, short).prefill_len, lay(64, short).total_len) == (64, 128)
+    decode(model, ps, block_size=4)  # compiled (shared with test_sampling_settings...)
+    with backend_compiles() as n:
+        at_64, _ = decode(model, short, block_size=4, length_bucket=64)
+    assert n[0] == 0
+    at_32, _ = decode(model, short, block_size=4)
+    assert at_64 == at_32 and all(len(r) > 0 for r in at_32)
 
 
 # -- the trained model ----------------------------------------------------------------------------

@@ -17,35 +17,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.api import load_hf
 from clover_jax.decoding.generator import DecodeConfig, Decoder
-from clover_jax.model.clover_model import CloverModel, create_model
-from clover_jax.bridge.tokenizer import load_tokenizer
-from tests.decode_fixtures import encode_example, eval_records, trained_checkpoint
+from clover_jax.model.clover_model import CloverModel
+from tests.decode_fixtures import encode_example, eval_records, peaked_random_model, trained_model
 
 MAX_NEW, BUCKET = 48, 16  # as tests/decoding/test_decoding.py (the model's block size 32): shared compiled programs
 
 
-@functools.lru_cache(maxsize=None)
-def _trained():
-    path = trained_checkpoint()
-    cfg, model = load_hf(path)
-    return cfg, model, load_tokenizer(path)
+_trained, _random_model = trained_model, peaked_random_model
 
 
 @functools.lru_cache(maxsize=None)
 def _prompts() -> tuple[tuple[int, ...], ...]:
     _, _, tok = _trained()
     return tuple(tuple(encode_example(tok, r)[0]) for r in eval_records(3))
-
-
-@functools.lru_cache(maxsize=None)
-def _random_model() -> CloverModel:
-    """Peaked random model (scaled lm_head) on the trained config: confident but arbitrary."""
-    cfg, _, _ = _trained()
-    model = create_model(cfg, 7)
-    model.lm_head.kernel.set_value(model.lm_head.kernel[...] * 30.0)
-    return model
 
 
 def _decode(model, eos=None, vocab_limit=None, **kw):

@@ -9,7 +9,7 @@ from flax import nnx
 
 from clover_jax.config import get_preset
 from clover_jax.model.clover_model import create_model, document_positions, model_from_params, model_to_params
-from tests.model.parity_utils import assert_rel_close
+from tests.model.parity_utils import FP32_REL, assert_rel_close
 
 CFG = get_preset("tiny")
 
@@ -24,6 +24,13 @@ def model():
     new = [l + 0.1 * jax.random.normal(k, l.shape, l.dtype) for l, k in zip(leaves, keys)]
     nnx.update(m, jax.tree.unflatten(treedef, new))
     return m
+
+
+#: the fp32 criterion of these tests, the suite's one (tests/model/parity_utils.py):
+#: max|ours - ref| <= FP32_REL * max|ref|, relative, so it means the same on any CPU (the
+#: accumulation order differs, e.g. with AVX-512, where cached decoding measured 6.6e-6 of the max;
+#: 0.5-2e-6 here). Issue 14 item 10: one criterion of fp32 round-off, not a host-dependent atol.
+REL = FP32_REL
 
 
 def _ids(seed, b, t):
@@ -46,7 +53,7 @@ def test_packed_rows_equal_separate_documents(model):
     starts = [0, lens[0], lens[0] + lens[1] + pad, lens[0] + lens[1] + pad + lens[2]]
     for doc, s in zip(docs, starts):
         alone = model(doc)
-        np.testing.assert_allclose(packed[:, s:s + doc.shape[1]], alone, atol=2e-5, rtol=0)
+        assert_rel_close(packed[:, s:s + doc.shape[1]], alone, REL, f"document at {s}")
 
 
 def test_cached_decoding_equals_full_forward(model):
@@ -59,7 +66,7 @@ def test_cached_decoding_equals_full_forward(model):
     for t in range(11, 29):  # token by token
         logits, cache = extend(model, ids[:, t:t + 1], cache)
         outs.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=2e-5, rtol=0)
+    assert_rel_close(jnp.concatenate(outs, axis=1), full, REL, "cached decoding vs full forward")
     assert int(cache["index"]) == 29
 
 
@@ -69,7 +76,7 @@ def test_cached_extend_with_new_document_resets(model):
     cache = model.init_cache(1, 20)
     _, cache = model.extend(a, cache, segment_ids=jnp.ones((1, 10), jnp.int32))
     out, _ = model.extend(b_, cache, positions=jnp.arange(7)[None], segment_ids=jnp.full((1, 7), 2))
-    np.testing.assert_allclose(out, model(b_), atol=2e-5, rtol=0)
+    assert_rel_close(out, model(b_), REL, "new document after cached tokens")
 
 
 def test_scan_equals_python_loop(model):
@@ -86,7 +93,7 @@ def test_model_moe_paths_agree(model):
     dense = model_from_params(CFG.replace(moe_impl="dense"), params)(ids)
     for impl in ("ragged", "blocked"):
         out = model_from_params(CFG.replace(moe_impl=impl), params)(ids)
-        np.testing.assert_allclose(out, dense, atol=1e-5, rtol=0)
+        assert_rel_close(out, dense, REL / 2, impl)  # the old absolute 1e-5 at this scale
 
 
 def test_every_param_has_logical_axes(model):

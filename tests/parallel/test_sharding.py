@@ -4,6 +4,7 @@ The oracle of the sharded runs is the same model on one device (no mesh): logits
 gradient and the per-expert load statistics must agree to fp32 round-off on four meshes, with a
 routing where one expert takes every token and another none."""
 
+import re
 import warnings
 
 import jax
@@ -17,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from clover_jax.parallel import sharding as sh
 from clover_jax.config import get_preset
 from clover_jax.model.clover_model import abstract_model, create_model, model_from_params, model_to_params, shift_predictions
+from tests.model.parity_utils import FP32_REL, assert_rel_close
 
 
 def test_mesh_config_fills_and_validates():
@@ -155,6 +157,12 @@ def _step(cfg, params, batch, mesh=None):
         return fn(model_to_params(model), batch)
 
 
+#: the q/k-norm scales' gradients (max ~1.2e-4, far below the other leaves' 1e-3..0.4) are sums over
+#: every token and head of much larger terms, so their round-off is larger relative to their own
+#: scale (measured up to 2.5e-5 on the 4 meshes); 1e-4 of 1.2e-4 is still ~300x tighter than the
+#: whole-tree bound (1e-5 * 0.43) that this test used before
+NORM_GRAD_REL = 1e-4
+
 MESHES = [
     (dict(fsdp=8), "ragged_a2a"),
     (dict(data=2, fsdp=1, expert=4), "ring"),
@@ -165,8 +173,8 @@ MESHES = [
 
 @pytest.mark.parametrize("mesh_shape,dispatch", MESHES, ids=lambda v: str(v))
 def test_sharded_model_equals_single_device(setup, mesh_shape, dispatch):
-    """Tolerance: fp32, 1e-5 of each quantity's max magnitude (gradients: of the whole gradient
-    tree's, since saturated router columns have ~1e-16 gradients that only round-off sets)."""
+    """Tolerance: fp32, 1e-5 of each quantity's max magnitude (FP32_REL), every gradient leaf on its
+    own scale (measured: at most 4.4e-6), except the q/k-norm scales' (`NORM_GRAD_REL`)."""
     params, batch, ((ref_loss, (ref_ar, ref_bd, ref_lb, ref_counts)), ref_grads) = setup
     mesh = sh.make_mesh(sh.MeshConfig(**mesh_shape))
     (loss, (ar, bd, lb, counts)), grads = _step(CFG.replace(moe_dispatch=dispatch), params, batch, mesh)
@@ -175,7 +183,7 @@ def test_sharded_model_equals_single_device(setup, mesh_shape, dispatch):
     np.testing.assert_array_equal(counts, ref_counts)
     for got, want in ((ar, ref_ar), (bd, ref_bd)):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))
-    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads))
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     for (path, g), r in zip(flat, jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+        name = jax.tree_util.keystr(path)
+        assert_rel_close(g, r, NORM_GRAD_REL if re.search(r"\['[qk]_norm'\]", name) else FP32_REL, name)

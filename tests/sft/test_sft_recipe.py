@@ -4,8 +4,10 @@
 (a) an uninterrupted run (a subprocess) writes metrics.jsonl (with the held-out eval), checkpoints
     and an HF export that loads back equal to the final checkpoint, with the mask token in config
     and tokenizer;
-(b) the same run SIGKILLed mid-way, then resumed (eval included) and SIGTERMed: a checkpoint is
-    written before the exit, and the losses are bit-identical step for step to (a);
+(b) the same run SIGKILLed mid-way (the worker), then resumed by a real `launch.py sft` process
+    that the test SIGTERMs from outside once its loop runs: it exits 143 with a checkpoint of its
+    last finished step (no periodic save due), and a second `launch.py sft` resumes from that
+    checkpoint to the end; the losses and evals are bit-identical step for step to (a);
 (c) bad input through `launch.py sft`: clear errors or counted skips, and an existing run's
     checkpoints and metrics are untouched (the record-level cases are in test_sft_converters.py
     and test_sft_pipeline.py);
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-STEPS = 4
+STEPS = 6
 FAST = {"xla_backend_optimization_level": 0}
 
 
@@ -43,7 +46,6 @@ def _worker(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--config")
     p.add_argument("--kill-at", type=int)  # SIGKILL right after this step
-    p.add_argument("--term-at", type=int)  # SIGTERM (preemption) right after this step
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     from sft.config import load_sft_config
@@ -52,8 +54,6 @@ def _worker(argv: list[str]) -> int:
     def on_step(step, state, metrics):
         if step == a.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if step == a.term_at:
-            os.kill(os.getpid(), signal.SIGTERM)
 
     res = run_sft(load_sft_config(a.config, a.overrides), on_step=on_step)
     import resource
@@ -105,14 +105,35 @@ def _config(tmp: Path, run: Path, init: Path) -> Path:
     return f
 
 
-def _spawn(cfg: Path, cache: Path, *extra: str) -> subprocess.Popen:
-    """The worker on `cfg` (a background process; `_finish` waits for it)."""
+def _spawn(cfg: Path, cache: Path, *extra: str, launch_py: bool = False) -> subprocess.Popen:
+    """The worker on `cfg`, or with `launch_py` the real `launch.py sft --config cfg` (stderr merged
+    into stdout); a background process, `_finish` waits for it. Matmuls at full fp32 precision in
+    both (the worker sets it as tests/conftest.py, launch.py gets it from the environment)."""
     flags = os.environ.get("XLA_FLAGS", "") + "".join(f" --{k}={v}" for k, v in FAST.items())
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_COMPILATION_CACHE_DIR": str(cache),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-           "WANDB_MODE": "disabled"}
+           "JAX_DEFAULT_MATMUL_PRECISION": "highest", "WANDB_MODE": "disabled"}
+    if launch_py:
+        return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "sft", "--config", str(cfg), *extra],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--config", str(cfg), *extra],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _sigterm_after_logged_step(proc: subprocess.Popen, step: int) -> tuple[int, str, bool]:
+    """Reads a `launch.py sft` process's output until its console row of `step` (printed inside the
+    training loop, after the step), then sends SIGTERM from outside; (exit code, output, whether
+    /proc showed the process catching SIGTERM when it was sent)."""
+    lines, caught = [], False
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.strip().startswith(f"{step}/{STEPS} |") and not caught:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            sigcgt = int(next(ln for ln in status.splitlines() if ln.startswith("SigCgt:")).split()[1], 16)
+            caught = bool(sigcgt >> (signal.SIGTERM - 1) & 1)
+            proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=900), "".join(lines), caught
 
 
 def _finish(proc: subprocess.Popen, want_rc: int, timeout: int = 900) -> str:
@@ -140,9 +161,10 @@ def _ckpt_steps(run: Path) -> list[int]:
 def runs(tmp_path_factory):
     """The init checkpoint (here), then two workers side by side (2 cores): R0 uninterrupted on 1
     device and R8 on 8 devices (2 steps, no export); then, in a background thread while the other
-    tests run, R1 (SIGKILL after step 3) and R2 (resume from step 2, SIGTERM after step 3), which
-    reuse R0's compiles. Only R0 counts FLOPs for the MFU (`count_flops`: a lowering of the
-    unrolled stack). `runs["resume"]()` waits for R1 and R2."""
+    tests run, R1 (the worker, SIGKILL after step 3), R2 (`launch.py sft`: resumes from step 2,
+    SIGTERMed from outside after it logged step 3) and R3 (`launch.py sft`: resumes from R2's
+    checkpoint, runs to the end), which reuse R0's compiles. Only R0 counts FLOPs for the MFU
+    (`count_flops`: a lowering of the unrolled stack). `runs["resume"]()` waits for R1, R2 and R3."""
     import threading
 
     from sft.config import load_sft_config
@@ -169,7 +191,13 @@ def runs(tmp_path_factory):
             extra = ("count_flops=false", "checkpoint.async_save=false")
             _finish(_spawn(cfg_b, tmp / "cache_1dev", "--kill-at", "3", *extra), -signal.SIGKILL)
             resume["steps_after_kill"] = _ckpt_steps(b)
-            resume["r2"] = _finish(_spawn(cfg_b, tmp / "cache_1dev", "--term-at", "3", *extra), 143)
+            # R2, the real launch.py: no periodic saves (so the SIGTERM path writes the checkpoint),
+            # SIGTERM from outside once it logged step 3; R3 resumes from what R2 saved to the end
+            real = (*extra, "export.dir=null")
+            p2 = _spawn(cfg_b, tmp / "cache_1dev", *real, "checkpoint.every_steps=0", launch_py=True)
+            resume["r2_rc"], resume["r2"], resume["r2_caught"] = _sigterm_after_logged_step(p2, 3)
+            resume["steps_after_term"] = _ckpt_steps(b)
+            resume["r3"] = _finish(_spawn(cfg_b, tmp / "cache_1dev", *real, launch_py=True), 0)
         except BaseException as e:  # noqa: BLE001 - re-raised in the test that waits
             resume["error"] = e
 
@@ -209,15 +237,23 @@ def test_end_to_end_run_writes_metrics_checkpoint_and_loadable_export(runs):
         assert r["tokens"] <= 2 * 64 and len(r["expert_counts"]) == 2
     # the held-out eval every 2 steps, at the fixed level t = 0.5 (the only one: eval/loss is its CE)
     evals = [r for r in recs if "eval/loss" in r]
-    assert [r["step"] for r in evals] == [2, 4]
+    assert [r["step"] for r in evals] == [2, 4, 6]
     for r in evals:
         assert r["eval/loss"] == r["eval/ce_t0.5"] and 0 <= r["eval/acc_t0.5"] <= 1
-    assert evals[1]["eval/loss"] != evals[0]["eval/loss"]  # same held-out batches, moved weights
-    assert _ckpt_steps(a) == [2, 4]
+    # README: the main job's held-out masked-token CE falls (same held-out batches, eval after eval)
+    ce = [r["eval/loss"] for r in evals]
+    assert ce[0] > ce[1] > ce[2], ce
+    assert _ckpt_steps(a) == [2, 4, 6]
     summary = json.loads((a / "summary.json").read_text())
-    assert summary["steps"] == STEPS and summary["window_steps"] == 2 and summary["flops_per_step"] > 1e9
-    np.testing.assert_allclose(summary["train_loss_first"], np.mean([r["loss"] for r in recs[:2]]))
-    np.testing.assert_allclose(summary["train_loss_last"], np.mean([r["loss"] for r in recs[-2:]]))
+    w = STEPS // 2
+    assert summary["steps"] == STEPS and summary["window_steps"] == w and summary["flops_per_step"] > 1e9
+    np.testing.assert_allclose(summary["train_loss_first"], np.mean([r["loss"] for r in recs[:w]]))
+    np.testing.assert_allclose(summary["train_loss_last"], np.mean([r["loss"] for r in recs[-w:]]))
+    # and the summary line the job prints says so: the held-out CE of the evals in the last window
+    # (steps 4 and 6) below the first window's (step 2)
+    np.testing.assert_allclose([summary["eval_loss_first"], summary["eval_loss_last"]], [ce[0], np.mean(ce[1:])])
+    assert summary["eval_loss_last"] < summary["eval_loss_first"]
+    assert "held-out masked CE (evals in those windows): " in runs["r0"]
     assert (a / "loss.png").is_file()
 
     hf = json.loads((a / "hf" / "config.json").read_text())
@@ -413,19 +449,29 @@ def test_agent_mix_recipe_parses_and_builds_its_data_mix(tok):
     check_block_aligned(row["segment_ids"], 32)
 
 
-def test_sigkill_sigterm_resume_is_bit_exact(runs):
-    """Last in the file: it waits for R1 and R2 (see `runs`)."""
+def test_sigkill_then_real_sigterm_and_resume_are_bit_exact(runs):
+    """Last in the file: it waits for R1, R2 and R3 (see `runs`)."""
     a, b = runs["a"], runs["b"]
     res = runs["resume"]()
     # killed after step 3: the newest complete checkpoint is step 2 (step 4's was never due)
     assert res["steps_after_kill"] == [2]
     out = res["r2"]
     assert "resumed from checkpoint step 2" in out
-    # SIGTERM after step 3 (no periodic save due): a checkpoint of step 3 is written before the exit
-    assert "SIGTERM received: stopped after step 3" in out
-    assert _ckpt_steps(b) == [2, 3]
+    # the external SIGTERM reached the loop's handler (caught, not the default exit) after step 3:
+    # exit 143, and a checkpoint of the last finished step n (no periodic save was due in R2) written
+    # before the exit; n is 3 or 4 (the signal lands after step 3 was logged: in the wait for batch 4,
+    # or inside step 4)
+    assert res["r2_caught"], out[-3000:]
+    assert res["r2_rc"] == launch.EXIT_PREEMPTED, out[-3000:]
+    stopped = re.findall(r"SIGTERM received(?: while waiting for data)?: stopped after step (\d+)", out)
+    assert len(stopped) == 1 and 3 <= int(stopped[0]) < STEPS, out[-3000:]
+    n = int(stopped[0])
+    assert res["steps_after_term"] == [2, n]
+    # R3 resumed from it (complete: restored) and ran to the end
+    assert f"resumed from checkpoint step {n}" in res["r3"]
+    assert _ckpt_steps(b)[-1] == STEPS
     ra, rb = _metrics(a), _metrics(b)
-    assert [r["step"] for r in rb] == [1, 2, 3]  # the re-run step 3 is logged once
+    assert [r["step"] for r in rb] == list(range(1, STEPS + 1))  # re-run steps are logged once
     keys = ("loss", "ce", "acc", "grad_norm", "lb_loss", "num_masked", "weight", "tokens", "expert_counts",
             "eval/loss", "eval/ce_t0.5", "eval/acc_t0.5")
     for x, y in zip(ra, rb):
