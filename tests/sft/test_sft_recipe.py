@@ -339,7 +339,7 @@ def test_sft_run_on_8_devices_equals_1_device(runs):
     learning rate does not depend on train.steps), counts and routing exactly, the held-out eval
     after step 2 too; and the run writes its checkpoint (and measures the peak off the mesh: a
     one-device matmul inside the mesh context fails)."""
-    assert "mesh {'data': 1, 'fsdp': 2, 'expert': 4, 'tensor': 1}" in runs["r8"]
+    assert "mesh {'data': 1, 'fsdp': 2, 'expert': 4, 'context': 1, 'tensor': 1}" in runs["r8"]
     r0, r8 = _metrics(runs["a"])[:2], _metrics(runs["c"])
     assert [r["step"] for r in r8] == [1, 2]
     for m8, m1 in zip(r8, r0):
