@@ -194,6 +194,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         with open(args.json, "w") as f:
             json.dump([p.as_dict() for p in plans], f, indent=1)
+    if args.hlo:
+        import gzip
+
+        for p in (p for p in plans if p.executable is not None):
+            # the optimized HLO behind the numbers, to answer "which op moves these bytes" later
+            path = f"{args.hlo}_{p.topology.name.replace(':', '_')}.hlo.txt.gz"
+            with gzip.open(path, "wt") as f:
+                f.write(p.executable.as_text())
+            print(f"optimized HLO of the {p.topology.name} plan written to {path}", flush=True)
     return 1 if failed else 0
 
 
@@ -309,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "or several comma-separated (then also a side-by-side table); default: compile.topology")
     p.add_argument("--json", default=None, help="also write the plans (memory, FLOPs, collectives, roofline) "
                    "to this JSON file")
+    p.add_argument("--hlo", default=None, help="also write each plan's optimized HLO to "
+                   "<HLO>_<topology>.hlo.txt.gz")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. compile.seq_len=4096 mesh.expert=4")
     p.set_defaults(fn=cmd_compile)
 

@@ -171,3 +171,23 @@ def test_cli_reports_a_step_that_does_not_fit(capsys):
     assert rc == 1, err
     assert "DOES NOT FIT" in err and "GiB per chip but a v5e chip has 16 GiB" in err
     assert "compile.remat=full" in err and "compile.micro_batch=4" in err
+
+
+def test_cli_writes_the_plan_json_and_the_optimized_hlo(tmp_path, capsys):
+    """`--json` holds the printed plan's numbers and `--hlo` the optimized program they come from
+    (the collective counts of the JSON can be traced back to the HLO's ops)."""
+    import gzip
+    import json
+
+    import launch
+
+    rc = launch.main(["compile", "--topology", "v5litepod-4", "--json", str(tmp_path / "plan.json"), "--hlo",
+                      str(tmp_path / "plan"), "model.preset=tiny", "model.num_hidden_layers=2",
+                      "compile.seq_len=128", "compile.micro_batch=4", "mesh.fsdp=4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (d,) = json.load(open(tmp_path / "plan.json"))
+    assert d["topology"] == "v5litepod-4" and f"{d['total_bytes'] / GiB:.2f} GiB" in out
+    with gzip.open(tmp_path / "plan_v5litepod-4.hlo.txt.gz", "rt") as f:
+        hlo = f.read()
+    assert hlo.startswith("HloModule") and ("all-gather" in hlo) == (d["hlo_cost"]["collective_bytes"]["all-gather"] > 0)
