@@ -150,6 +150,11 @@ def _padded_dims(form: str, H: int, K: int, V: int) -> tuple[int, int]:
     return K, V
 
 
+def _kernel_dims(form: str, interpret: bool, H: int, K: int, V: int) -> tuple[int, int]:
+    """Head dims the causal kernels run at: the padded native dims, unpadded in the interpreter."""
+    return (K, V) if interpret else _padded_dims(form, H, K, V)
+
+
 def _select(make, mode: tuple[str, str], *args):
     """Runs the right form of a kernel. ``make(form, interpret)`` builds a call; ``mode`` is
     (kind, interpret_form). kind "interpret": always the interpreter; "native": Mosaic on TPU,
@@ -225,7 +230,7 @@ def _causal_forward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int, N: 
             T, w, u = intra_call(k, v, aux, K=k.shape[-1] // HK, cfg=cfg, interpret=interpret)
             final, o = sweep_call(q, k, w, u, aux, s0, cfg=cfg, interpret=interpret)
             return o, final, T
-        Kp, Vp = (K, V) if interpret else _padded_dims(form, H, K, V)
+        Kp, Vp = _kernel_dims(form, interpret, H, K, V)
         return pad_heads(call, ("q", "q", "v", None, "s"), ("v", "s", None), H, K, V, Kp, Vp, HK)
 
     return make
@@ -255,7 +260,7 @@ def _causal_backward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int):
                                                    daux_p, **kw)
             return (_to_key_heads(dq, HK, Kx).astype(q.dtype), _to_key_heads(dk, HK, Kx).astype(q.dtype),
                     dv, daux, ds0)
-        Kp, Vp = (K, V) if interpret else _padded_dims(form, H, K, V)
+        Kp, Vp = _kernel_dims(form, interpret, H, K, V)
         return pad_heads(call, ("q", "q", "v", None, "s", None, "v", "s"), ("q", "q", "v", None, "s"),
                          H, K, V, Kp, Vp, HK)
 

@@ -221,14 +221,17 @@ def _sweep_backward_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, st_ref, do_ref, 
 
 
 def sweep_backward_call(q, k, w, u, aux, states, dO, dfinal, *, cfg: KernelConfig, interpret: bool):
-    """Reverse sweep carrying dS. Returns per value head (dq_p, dk_p, dw [B,Tp,H*K] fp32, du, delta
-    [B,Tp,H*V] fp32, daux_p [B,H,N,AUX,C] fp32) and ds0 [B,H,K,V] fp32."""
+    """Reverse sweep carrying dS. Returns per value head (dq_p, dk_p [B,Tp,H*K] fp32, dw [B,Tp,H*K]
+    in w's dtype, du, delta [B,Tp,H*V] in u's dtype, daux_p [B,H,N,AUX,C] fp32) and ds0 [B,H,K,V] fp32."""
     K = dfinal.shape[2]
     B, Tp, H, HK, V, C, N, rep = _shape(q, u, aux, K)
     kq, kw, vw, ax, st, s = _sweep_specs(H, rep, C, K, V, rev=lambda n: N - 1 - n)
     tok_k = jax.ShapeDtypeStruct((B, Tp, H * K), f32)
-    tok_v = jax.ShapeDtypeStruct((B, Tp, H * V), f32)
-    out_shape = [tok_k, tok_k, tok_k, tok_v, tok_v, jax.ShapeDtypeStruct(aux.shape, f32),
+    # dw, du, delta only ever enter the parallel backward as dot operands, which the matmul policy
+    # casts to the input dtype anyway: storing them in w's / u's dtype loses nothing
+    dw = jax.ShapeDtypeStruct((B, Tp, H * K), w.dtype)
+    tok_v = jax.ShapeDtypeStruct((B, Tp, H * V), u.dtype)
+    out_shape = [tok_k, tok_k, dw, tok_v, tok_v, jax.ShapeDtypeStruct(aux.shape, f32),
                  jax.ShapeDtypeStruct((B, H, K, V), f32)]
     args = (q, k, w, u, aux, states, dO, dfinal)
     specs = _step_specs(q, u, C, K, V) + (spec((C, V), dO.dtype), spec((K, V), f32))
@@ -271,11 +274,12 @@ def intra_backward_call(q, k, v, aux, T, w, u, dO, delta, du, dw, dq_p, dk_p, da
     args = (q, k, v, aux, T, w, u, dO, delta, du, dw, dq_p, dk_p, daux_p)
     specs = (spec((C, K), q.dtype), spec((C, K), k.dtype), spec((C, V), v.dtype), spec((AUX, C), f32),
              spec((C, C), f32), spec((C, K), w.dtype), spec((C, V), u.dtype), spec((C, V), dO.dtype),
-             spec((C, V), f32), spec((C, V), f32), spec((C, K), f32))
+             spec((C, V), u.dtype), spec((C, V), u.dtype), spec((C, K), w.dtype))
     cost = _cost(intra_backward_step, specs, cfg, B * H * N, args, out_shape)
     call = pl.pallas_call(
         functools.partial(_intra_backward_kernel, cfg=cfg, G=G, C=C), out_shape=out_shape,
         grid=(B, H, N // G), in_specs=[kq, kq, vw, ax, tt, kw, vw, vw, vw, vw, kw, kw, kw, ax],
         out_specs=[kw, kw, vw, ax], compiler_params=_params(2, sequential=False), interpret=interpret,
-        name="gdn_intra_bwd", cost_estimate=cost)
+        # the totals overwrite the sweep's partials in place (each grid step reads its tile first)
+        input_output_aliases={11: 0, 12: 1, 13: 3}, name="gdn_intra_bwd", cost_estimate=cost)
     return tuple(call(*args))

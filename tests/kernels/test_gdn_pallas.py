@@ -282,6 +282,22 @@ def test_head_padding_is_exact():
         assert a.shape == b.shape and maxdiff(a, b) <= TOL, name
 
 
+def test_head_padding_is_exact_for_the_phase_kernels(monkeypatch):
+    """The TPU phase kernels under the padding wrapper (key heads grouped: HK = 1 for H = 2, so the
+    "q" arrays pad per key head): forced to pad dk 12 -> 16, dv 6 -> 16 in the interpreter, outputs
+    and gradients equal the unpadded run."""
+    x = make_case(B=1, T=32, HK=1, H=2, DK=12, DV=6, seed=9)
+    xg = dict(x, q=x["q"][:, :, :1], k=x["k"][:, :, :1])
+    runs = []
+    for dims in (lambda form, interpret, H, K, V: (K, V), lambda form, interpret, H, K, V: (16, 16)):
+        monkeypatch.setattr(gdn_pallas, "_kernel_dims", dims)
+        runs.append(loss_and_grads(lambda *a, **kw: pallas_tpu_form(*a, **kw), xg, None, 16))
+    (o0, s0, g0), (o1, s1, g1) = runs
+    assert maxdiff(o0, o1) <= TOL and maxdiff(s0, s1) <= TOL
+    for name, a, b in zip(NAMES, g0, g1):
+        assert a.shape == b.shape and maxdiff(a, b) <= TOL, name
+
+
 # ------------------------------------------------------------------ dispatch and sharding
 
 
