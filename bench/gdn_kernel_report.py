@@ -9,7 +9,7 @@ the 35B GDN layer's tile shapes: C = 64, dk = dv = 128, bf16 q/k/v, 32 value / 1
   matmul shapes (M x K x N) with their MXU fill, (K / ceil128(K)) * (N / ceil128(N)) for a 128 x 128
   tile (contraction x output lanes);
 - residual bytes per layer per row at 8K and 128K tokens: what the forward keeps for the backward
-  (custom_vjp residuals) plus the backward's transient per-chunk states.
+  (custom_vjp residuals) plus the backward's transient per-chunk states (after: and their cotangents).
 
     python bench/gdn_kernel_report.py [--out bench/results/gdn_kernel_report.json]
 """
@@ -30,7 +30,7 @@ from pallas_kernels import gdn_phase_calls as new_calls
 from pallas_kernels.gdn_chunk_math import AUX_WIDTH
 from pallas_kernels.gdn_pallas_calls import KernelConfig
 
-SEQUENTIAL = {"gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_sweep", "gdn_sweep_bwd"}
+SEQUENTIAL = {"gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_sweep", "gdn_state_bwd"}
 MXU = 128
 
 
@@ -91,7 +91,7 @@ def pallas_calls(fn, *args) -> list:
     return out
 
 
-def kernel_rows(fn, *args, per_row_heads: int) -> list[dict]:
+def kernel_rows(fn, *args, per_row_heads: int, rep: int = 1) -> list[dict]:
     rows = []
     for e in pallas_calls(fn, *args):
         name = str(e.params["name"])
@@ -100,7 +100,8 @@ def kernel_rows(fn, *args, per_row_heads: int) -> list[dict]:
         shapes = sorted({d for d in dots})
         rows.append(dict(
             kernel=name, sequential=name in SEQUENTIAL,
-            steps_per_row_head=math.prod(grid) // per_row_heads,
+            # the parallel backward's grid runs over key heads, rep value heads per step
+            steps_per_row_head=math.prod(grid) * (rep if name == "gdn_parallel_bwd" else 1) // per_row_heads,
             matmuls_per_step=len(dots), dependent_matmuls_per_step=chain,
             matmul_shapes=[f"{m}x{k}x{n}" for m, k, n in shapes],
             mxu_fill_mean=round(sum(fill(d) for d in dots) / max(len(dots), 1), 3),
@@ -142,10 +143,10 @@ def after(B, T, H, HK, K, V, C):
         final, o = new_calls.sweep_call(q, k, w, u, aux, s0, **kw)
         w2, u2 = new_calls.intra_call(k, v, aux, K=K, T_in=Tinv, **kw)
         _, st = new_calls.sweep_call(q, k, w2, u2, aux, s0, with_o=False, with_states=True, **kw)
-        dq_p, dk_p, dw, du, delta, daux_p, ds0 = new_calls.sweep_backward_call(q, k, w2, u2, aux, st, dO, final, **kw)
-        return o, new_calls.intra_backward_call(q, k, v, aux, Tinv, w2, u2, dO, delta, du, dw, dq_p, dk_p, daux_p,
-                                                **kw)
-    rows = kernel_rows(fwd_bwd, x["q"], x["k"], x["v"], x["aux"], x["s0"], x["dO"], per_row_heads=B * H)
+        dst, ds0 = new_calls.state_backward_call(q, k, w2, aux, dO, final, **kw)
+        return o, new_calls.parallel_backward_call(q, k, v, aux, Tinv, w2, u2, st, dst, dO, **kw)
+    rows = kernel_rows(fwd_bwd, x["q"], x["k"], x["v"], x["aux"], x["s0"], x["dO"], per_row_heads=B * H,
+                       rep=H // HK)
     rows[2]["kernel"] += " (WY recompute)"
     rows[3]["kernel"] += " (state recompute)"
     return rows
@@ -157,9 +158,9 @@ def residual_bytes(T: int, H: int, HK: int, K: int, V: int, C: int) -> dict:
     tok = lambda heads, d, b: T * heads * d * b  # noqa: E731
     common = tok(H, V, 2) + H * N * AUX_WIDTH * C * 4 + H * K * V * 4          # v, aux, s0
     states = H * N * K * V * 4
-    return dict(
+    return dict(  # after: the states and their cotangents per chunk (the parallel backward reads both)
         before=dict(residuals=common + 2 * tok(H, K, 2), backward_states=states),
-        after=dict(residuals=common + 2 * tok(HK, K, 2) + H * N * C * C * 4, backward_states=states))
+        after=dict(residuals=common + 2 * tok(HK, K, 2) + H * N * C * C * 4, backward_states=2 * states))
 
 
 def main(argv=None) -> dict:

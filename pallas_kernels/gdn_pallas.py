@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from . import gdn_chunk_math as cm
 from . import gdn_sharding
 from .gdn_pallas_calls import KernelConfig, backward_call, forward_call
-from .gdn_phase_calls import intra_call, intra_backward_call, sweep_backward_call, sweep_call
+from .gdn_phase_calls import intra_call, parallel_backward_call, state_backward_call, sweep_call
 from .gdn_reference import _check_inputs, _masked_exp, _reset_flags, _segmented_cumsum
 
 f32 = jnp.float32
@@ -255,11 +255,9 @@ def _causal_backward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int):
             kw = dict(cfg=cfg, interpret=interpret)
             w, u = intra_call(k, v, aux, K=Kx, T_in=T, **kw)       # WY from the saved inverse
             _, states = sweep_call(q, k, w, u, aux, s0, with_o=False, with_states=True, **kw)
-            dq_p, dk_p, dw, du, delta, daux_p, ds0 = sweep_backward_call(q, k, w, u, aux, states, dO, dfin, **kw)
-            dq, dk, dv, daux = intra_backward_call(q, k, v, aux, T, w, u, dO, delta, du, dw, dq_p, dk_p,
-                                                   daux_p, **kw)
-            return (_to_key_heads(dq, HK, Kx).astype(q.dtype), _to_key_heads(dk, HK, Kx).astype(q.dtype),
-                    dv, daux, ds0)
+            dstates, ds0 = state_backward_call(q, k, w, aux, dO, dfin, **kw)
+            dq, dk, dv, daux = parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, **kw)
+            return dq, dk, dv, daux, ds0
         Kp, Vp = _kernel_dims(form, interpret, H, K, V)
         return pad_heads(call, ("q", "q", "v", None, "s", None, "v", "s"), ("q", "q", "v", None, "s"),
                          H, K, V, Kp, Vp, HK)

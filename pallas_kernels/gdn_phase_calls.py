@@ -14,8 +14,11 @@ Kernels (grid; dimension semantics):
   only w, u from the saved inverse (the backward's recompute, no re-inversion).
 - ``sweep_call`` (B, H, N; chunks "arbitrary"): the state in a VMEM scratch across chunk steps;
   o and the final state, or the per-chunk states (the backward's state recompute).
-- ``sweep_backward_call`` (B, H, N reversed): dS in a VMEM scratch; the cotangents that need S or dS.
-- ``intra_backward_call`` (B, H, N / G; all parallel): the rest, added onto the sweep's partials.
+- ``state_backward_call`` (B, H, N reversed): dS in a VMEM scratch, the only sequential kernel of
+  the backward (it needs neither the states nor delta); writes dS' per chunk.
+- ``parallel_backward_call`` (B, HK, N / G; all parallel): every other cotangent from the states,
+  the dS' per chunk and the saved inverse; a step takes one key head's rep value heads (adjacent in
+  the flat head dim, so one rep * V wide tile) and sums their dq, dk in fp32 before the one store.
 Block shapes: C a multiple of 8; K, V multiples of 128 (or one head: the block is then the whole dim).
 """
 
@@ -71,12 +74,12 @@ def sweep_step(q, k, w, u, aux, S, *, cfg):
     return pm.chunk_sweep(q, k, w, u, aux, S, scale=cfg.scale, mm=cfg.mm())
 
 
-def sweep_backward_step(q, k, w, u, aux, S, dO, dS, *, cfg):
-    return pm.chunk_sweep_backward(q, k, w, u, aux, S, dO, dS, scale=cfg.scale, mm=cfg.mm())
+def state_backward_step(q, k, w, aux, dO, dS, *, cfg):
+    return pm.chunk_state_backward(q, k, w, aux, dO, dS, scale=cfg.scale, mm=cfg.mm())
 
 
-def intra_backward_step(q, k, v, aux, T, w, u, dO, delta, du, dw, *, cfg):
-    return pm.chunk_intra_backward(q, k, v, aux, T, w, u, dO, delta, du, dw, scale=cfg.scale, mm=cfg.mm())
+def parallel_backward_step(q, k, v, aux, T, w, u, S, dO, dS, *, cfg):
+    return pm.chunk_parallel_backward(q, k, v, aux, T, w, u, S, dO, dS, scale=cfg.scale, mm=cfg.mm())
 
 
 def _cost(fn, specs, cfg, count, operands, results):
@@ -200,19 +203,17 @@ def sweep_call(q, k, w, u, aux, s0, *, cfg: KernelConfig, interpret: bool, with_
 
 # ----------------------------------------------------------------------------------------- backward
 
-def _sweep_backward_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, st_ref, do_ref, dfin_ref,
-                           dq_ref, dk_ref, dw_ref, du_ref, delta_ref, daux_ref, ds0_ref, dS_ref, *, cfg):
+def _state_backward_kernel(q_ref, k_ref, w_ref, aux_ref, do_ref, dfin_ref, dst_ref, ds0_ref, dS_ref, *, cfg):
     n = pl.program_id(2)
 
     @pl.when(n == 0)
     def _():
         dS_ref[...] = dfin_ref[...].astype(f32)
 
-    dq, dk, dw, du, delta, daux, dS = pm.chunk_sweep_backward(
-        q_ref[...], k_ref[...], w_ref[...], u_ref[...], aux_ref[...], st_ref[...], do_ref[...], dS_ref[...],
-        scale=cfg.scale, mm=cfg.mm())
-    for ref, x in ((dq_ref, dq), (dk_ref, dk), (dw_ref, dw), (du_ref, du), (delta_ref, delta), (daux_ref, daux)):
-        ref[...] = x.astype(ref.dtype)
+    dSn = dS_ref[...]
+    dst_ref[...] = dSn                      # the cotangent of the state after this chunk
+    dS = pm.chunk_state_backward(q_ref[...], k_ref[...], w_ref[...], aux_ref[...], do_ref[...], dSn,
+                                 scale=cfg.scale, mm=cfg.mm())
     dS_ref[...] = dS
 
     @pl.when(n == pl.num_programs(2) - 1)
@@ -220,66 +221,68 @@ def _sweep_backward_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, st_ref, do_ref, 
         ds0_ref[...] = dS
 
 
-def sweep_backward_call(q, k, w, u, aux, states, dO, dfinal, *, cfg: KernelConfig, interpret: bool):
-    """Reverse sweep carrying dS. Returns per value head (dq_p, dk_p [B,Tp,H*K] fp32, dw [B,Tp,H*K]
-    in w's dtype, du, delta [B,Tp,H*V] in u's dtype, daux_p [B,H,N,AUX,C] fp32) and ds0 [B,H,K,V] fp32."""
+def state_backward_call(q, k, w, aux, dO, dfinal, *, cfg: KernelConfig, interpret: bool):
+    """Reverse sweep carrying dS (the backward's only sequential kernel). Returns (dstates
+    [B,H,N*K,V] fp32: rows n*K:(n+1)*K = the cotangent of the state AFTER chunk n, ds0 [B,H,K,V])."""
     K = dfinal.shape[2]
-    B, Tp, H, HK, V, C, N, rep = _shape(q, u, aux, K)
+    B, Tp, H, HK, V, C, N, rep = _shape(q, dO, aux, K)
     kq, kw, vw, ax, st, s = _sweep_specs(H, rep, C, K, V, rev=lambda n: N - 1 - n)
-    tok_k = jax.ShapeDtypeStruct((B, Tp, H * K), f32)
-    # dw, du, delta only ever enter the parallel backward as dot operands, which the matmul policy
-    # casts to the input dtype anyway: storing them in w's / u's dtype loses nothing
-    dw = jax.ShapeDtypeStruct((B, Tp, H * K), w.dtype)
-    tok_v = jax.ShapeDtypeStruct((B, Tp, H * V), u.dtype)
-    out_shape = [tok_k, tok_k, dw, tok_v, tok_v, jax.ShapeDtypeStruct(aux.shape, f32),
-                 jax.ShapeDtypeStruct((B, H, K, V), f32)]
-    args = (q, k, w, u, aux, states, dO, dfinal)
-    specs = _step_specs(q, u, C, K, V) + (spec((C, V), dO.dtype), spec((K, V), f32))
-    cost = _cost(sweep_backward_step, specs, cfg, B * H * N, args, out_shape)
+    out_shape = [jax.ShapeDtypeStruct((B, H, N * K, V), f32), jax.ShapeDtypeStruct((B, H, K, V), f32)]
+    args = (q, k, w, aux, dO, dfinal)
+    specs = (spec((C, K), q.dtype), spec((C, K), q.dtype), spec((C, K), w.dtype), spec((AUX, C), f32),
+             spec((C, V), dO.dtype), spec((K, V), f32))
+    cost = _cost(state_backward_step, specs, cfg, B * H * N, args, out_shape)
     call = pl.pallas_call(
-        functools.partial(_sweep_backward_kernel, cfg=cfg), out_shape=out_shape, grid=(B, H, N),
-        in_specs=[kq, kq, kw, vw, ax, st, vw, s], out_specs=[kw, kw, kw, vw, vw, ax, s],
+        functools.partial(_state_backward_kernel, cfg=cfg), out_shape=out_shape, grid=(B, H, N),
+        in_specs=[kq, kq, kw, ax, vw, s], out_specs=[st, s],
         scratch_shapes=[pltpu.VMEM((K, V), f32)], compiler_params=_params(2, sequential=True),
-        interpret=interpret, name="gdn_sweep_bwd", cost_estimate=cost)
+        interpret=interpret, name="gdn_state_bwd", cost_estimate=cost)
     return tuple(call(*args))
 
 
-def _intra_backward_kernel(q_ref, k_ref, v_ref, aux_ref, T_ref, w_ref, u_ref, do_ref, delta_ref, du_ref,
-                           dw_ref, dqp_ref, dkp_ref, dauxp_ref, dq_ref, dk_ref, dv_ref, daux_ref, *, cfg, G, C):
+def _parallel_backward_kernel(q_ref, k_ref, v_ref, aux_ref, T_ref, w_ref, u_ref, st_ref, dst_ref, do_ref,
+                              dq_ref, dk_ref, dv_ref, daux_ref, *, cfg, G, C, K, V, rep):
     for j in range(G):
         r = pl.ds(j * C, C)
-        dq, dk, dv, daux = pm.chunk_intra_backward(
-            q_ref[r, :], k_ref[r, :], v_ref[r, :], aux_ref[j], T_ref[j], w_ref[r, :], u_ref[r, :], do_ref[r, :],
-            delta_ref[r, :], du_ref[r, :], dw_ref[r, :], scale=cfg.scale, mm=cfg.mm())
-        dq_ref[r, :] = dq + dqp_ref[r, :]
-        dk_ref[r, :] = dk + dkp_ref[r, :]
-        dv_ref[r, :] = dv.astype(dv_ref.dtype)
-        daux_ref[j] = daux + dauxp_ref[j]
+        q, k = q_ref[r, :], k_ref[r, :]
+        dq_sum = dk_sum = None
+        for h in range(rep):  # the value heads of this key head: their dq, dk sum here
+            kc, vc = pl.ds(h * K, K), pl.ds(h * V, V)
+            dq, dk, dv, daux = pm.chunk_parallel_backward(
+                q, k, v_ref[r, vc], aux_ref[h, j], T_ref[h, j], w_ref[r, kc], u_ref[r, vc],
+                st_ref[h, pl.ds(j * K, K), :], do_ref[r, vc], dst_ref[h, pl.ds(j * K, K), :],
+                scale=cfg.scale, mm=cfg.mm())
+            dq_sum = dq if dq_sum is None else dq_sum + dq
+            dk_sum = dk if dk_sum is None else dk_sum + dk
+            dv_ref[r, vc] = dv.astype(dv_ref.dtype)
+            daux_ref[h, j] = daux
+        dq_ref[r, :] = dq_sum.astype(dq_ref.dtype)
+        dk_ref[r, :] = dk_sum.astype(dk_ref.dtype)
 
 
-def intra_backward_call(q, k, v, aux, T, w, u, dO, delta, du, dw, dq_p, dk_p, daux_p, *, cfg: KernelConfig,
-                        interpret: bool):
-    """The parallel backward: (dq, dk [B,Tp,H*K] fp32 per value head, dv [B,Tp,H*V] in v's dtype,
-    daux [B,H,N,AUX,C] fp32), the sweep's partials (dq_p, dk_p, daux_p) included."""
+def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: KernelConfig, interpret: bool):
+    """Every cotangent but the dS recurrence, parallel over (row, key head, chunk group): one grid
+    step takes a key head's rep value heads (adjacent in the flat head dim) and sums their dq, dk.
+    Returns (dq, dk [B,Tp,HK*K] in q's dtype, dv [B,Tp,H*V] in v's dtype, daux [B,H,N,AUX,C] fp32)."""
     K = w.shape[-1] // aux.shape[1]
     B, Tp, H, HK, V, C, N, rep = _shape(q, v, aux, K)
     G = group_size(N, C)
-    kq = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, h // rep))
-    kw = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, h))
-    vw = pl.BlockSpec((None, G * C, V), lambda b, h, n: (b, n, h))
-    ax = pl.BlockSpec((None, None, G, AUX, C), lambda b, h, n: (b, h, n, 0, 0))
-    tt = pl.BlockSpec((None, None, G, C, C), lambda b, h, n: (b, h, n, 0, 0))
-    out_shape = [jax.ShapeDtypeStruct((B, Tp, H * K), f32), jax.ShapeDtypeStruct((B, Tp, H * K), f32),
-                 jax.ShapeDtypeStruct((B, Tp, H * V), v.dtype), jax.ShapeDtypeStruct(aux.shape, f32)]
-    args = (q, k, v, aux, T, w, u, dO, delta, du, dw, dq_p, dk_p, daux_p)
+    kq = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, h))
+    kw = pl.BlockSpec((None, G * C, rep * K), lambda b, h, n: (b, n, h))
+    vw = pl.BlockSpec((None, G * C, rep * V), lambda b, h, n: (b, n, h))
+    ax = pl.BlockSpec((None, rep, G, AUX, C), lambda b, h, n: (b, h, n, 0, 0))
+    tt = pl.BlockSpec((None, rep, G, C, C), lambda b, h, n: (b, h, n, 0, 0))
+    st = pl.BlockSpec((None, rep, G * K, V), lambda b, h, n: (b, h, n, 0))
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(aux.shape, f32)]
+    args = (q, k, v, aux, T, w, u, states, dstates, dO)
     specs = (spec((C, K), q.dtype), spec((C, K), k.dtype), spec((C, V), v.dtype), spec((AUX, C), f32),
-             spec((C, C), f32), spec((C, K), w.dtype), spec((C, V), u.dtype), spec((C, V), dO.dtype),
-             spec((C, V), u.dtype), spec((C, V), u.dtype), spec((C, K), w.dtype))
-    cost = _cost(intra_backward_step, specs, cfg, B * H * N, args, out_shape)
+             spec((C, C), f32), spec((C, K), w.dtype), spec((C, V), u.dtype), spec((K, V), f32),
+             spec((C, V), dO.dtype), spec((K, V), f32))
+    cost = _cost(parallel_backward_step, specs, cfg, B * H * N, args, out_shape)
     call = pl.pallas_call(
-        functools.partial(_intra_backward_kernel, cfg=cfg, G=G, C=C), out_shape=out_shape,
-        grid=(B, H, N // G), in_specs=[kq, kq, vw, ax, tt, kw, vw, vw, vw, vw, kw, kw, kw, ax],
-        out_specs=[kw, kw, vw, ax], compiler_params=_params(2, sequential=False), interpret=interpret,
-        # the totals overwrite the sweep's partials in place (each grid step reads its tile first)
-        input_output_aliases={11: 0, 12: 1, 13: 3}, name="gdn_intra_bwd", cost_estimate=cost)
+        functools.partial(_parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep), out_shape=out_shape,
+        grid=(B, HK, N // G), in_specs=[kq, kq, vw, ax, tt, kw, vw, st, st, vw],
+        out_specs=[kq, kq, vw, ax], compiler_params=_params(2, sequential=False), interpret=interpret,
+        name="gdn_parallel_bwd", cost_estimate=cost)
     return tuple(call(*args))

@@ -14,8 +14,9 @@ EOUT, SDEC, RUN). Per chunk (s = scale, E the in-document decays, Dat / Dut caus
 On the state's critical path per chunk: w S, then kd^T delta (2 dependent matmuls); q S and P delta
 hang off it. The backward mirrors this: one reverse sweep carries dS through
     ddelta = P^T dO + kd dS',  dS = sdec dS' + (diag(ein) q s)^T dO - w^T ddelta
-(again 2 dependent matmuls: kd dS', w^T ddelta) and emits the products that need S or dS'; a
-parallel kernel then does the rest from the saved inverse T (no re-inversion):
+(again 2 dependent matmuls: kd dS', w^T ddelta; it needs neither S nor delta) and writes dS' per
+chunk; with the states S per chunk (a forward re-sweep) every other cotangent is parallel over
+chunks, from the saved inverse T (no re-inversion):
     dA = -(T^T du) u^T - (T^T dw) w^T   (= -T^T dT T^T with dT = du (beta v)^T + dw (beta ein k)^T).
 """
 
@@ -89,19 +90,31 @@ def chunk_sweep(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, *, scale: float, mm: Matmu
     return o, S_new
 
 
-def chunk_sweep_backward(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, dO_CW, dSn_KW, *, scale: float,
-                         mm: MatmulPolicy):
-    """Reverse step of phase b: the cotangents that need the state S before the chunk or dS' after it.
+def chunk_state_backward(q_CK, k_CK, w_CK, aux_AC, dO_CW, dSn_KW, *, scale: float, mm: MatmulPolicy):
+    """Reverse step of phase b, the only sequential part of the backward: dS [K, W] fp32, the
+    cotangent of the state before the chunk, from dS' after it. Needs neither S nor delta:
+    ddelta = P^T dO + kd dS',  dS = sdec dS' + qe^T dO - w^T ddelta."""
+    x = _scalars(aux_AC)
+    q = q_CK.astype(f32) * scale
+    k = k_CK.astype(f32)
+    dO = dO_CW.astype(f32)
+    ddelta = mm.dot(mm.dot(q, k, _NT) * x["E_at"], dO, _TN) + mm.dot(x["eout"] * k, dSn_KW)
+    return x["sdec"] * dSn_KW + mm.dot(x["ein"] * q, dO, _TN) - mm.dot(w_CK, ddelta, _TN)
+
+
+def chunk_sweep_cotangents(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, dO_CW, dSn_KW, *, scale: float,
+                           mm: MatmulPolicy):
+    """The cotangents of phase b's inputs given the state S before the chunk and dS' after it (both
+    known once the two sweeps ran, so this is parallel over chunks).
 
     Returns (dq_p [C, K]: dq through ein q S; dk_p [C, K]: dk through S'; dw [C, K]; du [C, W];
-    delta [C, W] (recomputed, for the parallel backward); daux_p [AUX, C] (EIN, EOUT rows per token,
-    SDEC at token 0); dS [K, W] the cotangent of S), all fp32.
+    delta [C, W] (for the WY backward); daux_p [AUX, C] (EIN, EOUT rows per token, SDEC at token 0)),
+    all fp32.
     """
     x = _sweep_common(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale, mm)
     dO = dO_CW.astype(f32)
-    kd, qe, delta = x["kd"], x["qe"], x["delta"]
-    ddelta = mm.dot(x["P"], dO, _TN) + mm.dot(kd, dSn_KW)
-    dS = x["sdec"] * dSn_KW + mm.dot(qe, dO, _TN) - mm.dot(w_CK, ddelta, _TN)
+    delta = x["delta"]
+    ddelta = mm.dot(x["P"], dO, _TN) + mm.dot(x["kd"], dSn_KW)
     dw = -mm.dot(ddelta, S_KW, _NT)
     dqe = mm.dot(dO, S_KW, _NT)                           # d(qe), qe = ein q s
     dkd = mm.dot(delta, dSn_KW, _NT)                      # d(kd), kd = eout k
@@ -115,7 +128,17 @@ def chunk_sweep_backward(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, dO_CW, dSn_KW, *,
     first = cm._iota((AUX_WIDTH, C), 1) == 0
     daux = (jnp.where(rows == EIN, cm.col_to_row(dein), 0.0) + jnp.where(rows == EOUT, cm.col_to_row(deout), 0.0)
             + jnp.where((rows == SDEC) & first, dsdec, 0.0))
-    return dq_p, dk_p, dw, ddelta, delta, daux, dS
+    return dq_p, dk_p, dw, ddelta, delta, daux
+
+
+def chunk_parallel_backward(q_CK, k_CK, v_CW, aux_AC, T_CC, w_CK, u_CW, S_KW, dO_CW, dSn_KW, *, scale: float,
+                            mm: MatmulPolicy):
+    """The whole backward of one chunk but the dS recurrence: (dq, dk, dv, daux) fp32."""
+    dq_p, dk_p, dw, du, delta, daux_p = chunk_sweep_cotangents(
+        q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, dO_CW, dSn_KW, scale=scale, mm=mm)
+    dq, dk, dv, daux = chunk_intra_backward(q_CK, k_CK, v_CW, aux_AC, T_CC, w_CK, u_CW, dO_CW, delta, du, dw,
+                                            scale=scale, mm=mm)
+    return dq + dq_p, dk + dk_p, dv, daux + daux_p
 
 
 # ------------------------------------------------------------------------------ parallel backward

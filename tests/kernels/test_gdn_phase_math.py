@@ -1,7 +1,7 @@
 """The phase-split per-chunk math (gdn_phase_math) against the one-step chunk math and autodiff.
 
 Oracle: ``gdn_chunk_math.chunk_forward`` (itself tested against transformers through the kernels)
-and ``jax.vjp`` of it; the phases composed (intra -> sweep; sweep backward -> intra backward) must
+and ``jax.vjp`` of it; the phases composed (intra -> sweep; state backward, parallel backward) must
 reproduce the forward and every cotangent of one chunk with documents, decays and a carried state.
 """
 
@@ -56,10 +56,9 @@ def test_phases_compose_to_the_chunk_forward_and_its_vjp():
         want_fwd, vjp = jax.vjp(fwd, q, k, v, aux, S)
         T, w, u = pm.chunk_intra(k, v, aux, mm)
         got_fwd = pm.chunk_sweep(q, k, w, u, aux, S, scale=SCALE, mm=mm)
-        dq_p, dk_p, dw, du, delta, daux_p, dS = pm.chunk_sweep_backward(
-            q, k, w, u, aux, S, dO, dSn, scale=SCALE, mm=mm)
-        dq, dk, dv, daux = pm.chunk_intra_backward(q, k, v, aux, T, w, u, dO, delta, du, dw, scale=SCALE, mm=mm)
-        return want_fwd, vjp((dO, dSn)), got_fwd, (dq + dq_p, dk + dk_p, dv, daux + daux_p, dS)
+        dS = pm.chunk_state_backward(q, k, w, aux, dO, dSn, scale=SCALE, mm=mm)
+        dq, dk, dv, daux = pm.chunk_parallel_backward(q, k, v, aux, T, w, u, S, dO, dSn, scale=SCALE, mm=mm)
+        return want_fwd, vjp((dO, dSn)), got_fwd, (dq, dk, dv, daux, dS)
 
     want_fwd, want_bwd, got_fwd, got_bwd = run(q, k, v, aux, S, dO, dSn)
     close(got_fwd[0], want_fwd[0], "o")
