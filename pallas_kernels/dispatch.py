@@ -43,9 +43,10 @@ def chunk_gated_delta_rule(
     """Chunked causal gated delta rule (argument convention of transformers' ``torch_chunk_gated_delta_rule``).
 
     Args:
-        q: [B, T, H, dk] queries, already l2-normalised and repeated to the value heads
-            (the dk^-0.5 scale is applied inside).
-        k: [B, T, H, dk] keys, same convention as q.
+        q: [B, T, HK, dk] queries, already l2-normalised (the dk^-0.5 scale is applied inside);
+            HK = H, or grouped: HK divides H and value head h reads key head h // (H / HK) (the TPU
+            kernels index it natively, the reference and the Triton form repeat it).
+        k: [B, T, HK, dk] keys, same convention as q.
         v: [B, T, H, dv] values.
         g: [B, T, H] log-decay (<= 0).
         beta: [B, T, H] write strength in (0, 1).
@@ -53,8 +54,9 @@ def chunk_gated_delta_rule(
         segment_ids: optional int [B, T]; the state resets wherever the id changes from the previous token.
         chunk_size: chunk length of the WY/UT form (any value gives the same result; the Pallas
             kernel needs a multiple of 8 on TPU and a power of two >= 16 on GPU).
-        backend: "auto" = the Pallas kernel when the default JAX backend is TPU or GPU, else the
-            jnp reference (so on a CPU host, AOT-compiling for a TPU topology needs "pallas");
+        backend: "auto" = the Pallas kernel when the default JAX backend is TPU or GPU (TPU: the
+            phase-split kernels of ``gdn_phase_calls``; CUDA: the one-step-per-chunk Triton kernels
+            of ``gdn_pallas_calls``), else the jnp reference (so on a CPU host, AOT-compiling for a TPU topology needs "pallas");
             "pallas" = the kernel (Mosaic on TPU, Triton on GPU, chosen at lowering time; the
             interpreter on CPU); "reference" = ``chunk_gated_delta_rule_ref``.
         interpret: Pallas interpret mode; None means interpret on CPU. Ignored by the reference.

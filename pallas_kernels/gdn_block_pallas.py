@@ -157,6 +157,8 @@ def block_gated_delta_rule_pallas(
         final clean state [B, H, dk, dv] fp32).
     """
     B, T, H, K, V = _check_inputs(q, k, v, g, beta, initial_state, segment_ids)
+    if q.shape[2] != H:
+        raise ValueError(f"block mode needs q and k repeated to the {H} value heads; got {q.shape[2]} heads")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
     if T % block_size:

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from . import gdn_chunk_math as cm
 from . import gdn_sharding
 from .gdn_pallas_calls import KernelConfig, backward_call, forward_call
+from .gdn_phase_calls import intra_call, parallel_backward_call, state_backward_call, sweep_call
 from .gdn_reference import _check_inputs, _masked_exp, _reset_flags, _segmented_cumsum
 
 f32 = jnp.float32
@@ -45,8 +46,8 @@ INTERPRET_FORMS = ("tpu", "gpu")
 
 def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int):
     """-> (q, k [B, Tp, H*K], v [B, Tp, H*V] in their dtypes, aux [B, H, N, AUX, C] fp32, s0 fp32)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2:]
     N = -(-T // C)
     pad = N * C - T
     reset_BT = _reset_flags(segment_ids, B, T)
@@ -94,20 +95,23 @@ def _pad_dim(x: jax.Array, axis: int, n: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def pad_heads(fn, in_kinds: tuple, out_kinds: tuple, H: int, K: int, V: int, Kp: int, Vp: int):
+def pad_heads(fn, in_kinds: tuple, out_kinds: tuple, H: int, K: int, V: int, Kp: int, Vp: int,
+              HK: int | None = None):
     """Wraps a kernel call ``fn(*arrays) -> tuple`` so it sees key / value head dims zero-padded to
     Kp / Vp (exact: padded key dims add 0 to every dot, padded state rows and value columns stay 0)
     and slices its results back. Kinds per operand / result: "k" and "v" for flat-head token arrays
-    [B, T, H*K] / [B, T, H*V], "s" for a state [B, H, K, V], "st" for per-chunk states
-    [B, H, N*K, V], None for arrays without head dims (aux)."""
+    [B, T, H*K] / [B, T, H*V], "q" for [B, T, HK*K] (the key heads of grouped queries), "s" for a
+    state [B, H, K, V], "st" for per-chunk states [B, H, N*K, V], None for arrays without head dims
+    (aux, the per-chunk inverse)."""
     if (Kp, Vp) == (K, V):
         return fn
+    heads = {"k": H, "v": H, "q": H if HK is None else HK}
 
     def pad(x, kind):
-        if kind in ("k", "v"):
-            d, dp = (K, Kp) if kind == "k" else (V, Vp)
+        if kind in ("k", "v", "q"):
+            d, dp = (V, Vp) if kind == "v" else (K, Kp)
             B, Tp = x.shape[:2]
-            return _pad_dim(x.reshape(B, Tp, H, d), 3, dp).reshape(B, Tp, H * dp)
+            return _pad_dim(x.reshape(B, Tp, heads[kind], d), 3, dp).reshape(B, Tp, heads[kind] * dp)
         if kind == "s":
             return _pad_dim(_pad_dim(x, 2, Kp), 3, Vp)
         if kind == "st":
@@ -117,10 +121,10 @@ def pad_heads(fn, in_kinds: tuple, out_kinds: tuple, H: int, K: int, V: int, Kp:
         return x
 
     def unpad(x, kind):
-        if kind in ("k", "v"):
-            d, dp = (K, Kp) if kind == "k" else (V, Vp)
+        if kind in ("k", "v", "q"):
+            d, dp = (V, Vp) if kind == "v" else (K, Kp)
             B, Tp = x.shape[:2]
-            return x.reshape(B, Tp, H, dp)[..., :d].reshape(B, Tp, H * d)
+            return x.reshape(B, Tp, heads[kind], dp)[..., :d].reshape(B, Tp, heads[kind] * d)
         if kind == "s":
             return x[:, :, :K, :V]
         if kind == "st":
@@ -146,6 +150,11 @@ def _padded_dims(form: str, H: int, K: int, V: int) -> tuple[int, int]:
     return K, V
 
 
+def _kernel_dims(form: str, interpret: bool, H: int, K: int, V: int) -> tuple[int, int]:
+    """Head dims the causal kernels run at: the padded native dims, unpadded in the interpreter."""
+    return (K, V) if interpret else _padded_dims(form, H, K, V)
+
+
 def _select(make, mode: tuple[str, str], *args):
     """Runs the right form of a kernel. ``make(form, interpret)`` builds a call; ``mode`` is
     (kind, interpret_form). kind "interpret": always the interpreter; "native": Mosaic on TPU,
@@ -159,8 +168,11 @@ def _select(make, mode: tuple[str, str], *args):
 
 
 def _forward(q, k, v, aux, s0, cfg: KernelConfig, mode: tuple[str, str], with_o: bool, with_states: bool):
-    H, K, V = s0.shape[1:]
+    """The one-step-per-chunk forward sweep (Triton form; block mode's state recompute)."""
+    return _select(_forward_make(cfg, *s0.shape[1:], with_o, with_states), mode, q, k, v, aux, s0)
 
+
+def _forward_make(cfg: KernelConfig, H: int, K: int, V: int, with_o: bool, with_states: bool):
     def make(form, interpret):
         def call(*a):
             return tuple(forward_call(*a, cfg=cfg, form=form, interpret=interpret, with_o=with_o,
@@ -169,12 +181,10 @@ def _forward(q, k, v, aux, s0, cfg: KernelConfig, mode: tuple[str, str], with_o:
         out_kinds = ("s",) + (("v",) if with_o else ()) + (("st",) if with_states else ())
         return pad_heads(call, ("k", "k", "v", None, "s"), out_kinds, H, K, V, Kp, Vp)
 
-    return _select(make, mode, q, k, v, aux, s0)
+    return make
 
 
-def _backward(q, k, v, aux, states, dO, dfin, cfg: KernelConfig, mode: tuple[str, str]):
-    H, K, V = dfin.shape[1:]
-
+def _backward_make(cfg: KernelConfig, H: int, K: int, V: int):
     def make(form, interpret):
         def call(*a):  # value-block partial sums -> totals (inside: platform branches must agree)
             dq, dk, dv, daux, ds0 = backward_call(*a, cfg=cfg, form=form, interpret=interpret)
@@ -183,13 +193,86 @@ def _backward(q, k, v, aux, states, dO, dfin, cfg: KernelConfig, mode: tuple[str
         Kp, Vp = (K, V) if interpret else _padded_dims(form, H, K, V)
         return pad_heads(call, ("k", "k", "v", None, "st", "v", "s"), ("k", "k", "v", None, "s"), H, K, V, Kp, Vp)
 
-    return _select(make, mode, q, k, v, aux, states, dO, dfin)
+    return make
 
 
 # ------------------------------------------------------------------------------ custom VJP core
+# TPU (and the "tpu" interpret form): the phase-split kernels of gdn_phase_calls. CUDA (and the
+# "gpu" interpret form): the one-step-per-chunk Triton kernels of gdn_pallas_calls, on key heads
+# repeated inside the branch, until their phases exist; the branch returns a zero inverse so both
+# platform branches have the same residuals.
+
+def _to_key_heads(x_BTX, HK: int, K: int):
+    """Per-value-head [B, Tp, H*K] -> per-key-head [B, Tp, HK*K]: sums value head h into key head h // rep."""
+    B, Tp, HX = x_BTX.shape
+    return x_BTX.reshape(B, Tp, HK, HX // (HK * K), K).sum(3).reshape(B, Tp, HK * K)
+
+
+def _to_value_heads(x_BTX, H: int, K: int):
+    """[B, Tp, HK*K] -> [B, Tp, H*K]: key head j repeated to value heads j*rep .. (j+1)*rep - 1."""
+    B, Tp, HX = x_BTX.shape
+    return jnp.repeat(x_BTX.reshape(B, Tp, HX // K, K), H // (HX // K), axis=2).reshape(B, Tp, H * K)
+
+
+def _causal_forward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int, N: int):
+    C = cfg.chunk_size
+
+    def make(form, interpret):
+        if form == "gpu":
+            old = _forward_make(cfg, H, K, V, with_o=True, with_states=False)(form, interpret)
+
+            def call(q, k, v, aux, s0):
+                final, o = old(_to_value_heads(q, H, K), _to_value_heads(k, H, K), v, aux, s0)
+                return o, final, jnp.zeros((q.shape[0], H, N, C, C), f32)
+            return call
+
+        def call(q, k, v, aux, s0):
+            T, w, u = intra_call(k, v, aux, K=k.shape[-1] // HK, cfg=cfg, interpret=interpret)
+            final, o = sweep_call(q, k, w, u, aux, s0, cfg=cfg, interpret=interpret)
+            return o, final, T
+        Kp, Vp = _kernel_dims(form, interpret, H, K, V)
+        return pad_heads(call, ("q", "q", "v", None, "s"), ("v", "s", None), H, K, V, Kp, Vp, HK)
+
+    return make
+
+
+def _causal_backward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int):
+    def make(form, interpret):
+        if form == "gpu":
+            old_fwd = _forward_make(cfg, H, K, V, with_o=False, with_states=True)(form, interpret)
+            old_bwd = _backward_make(cfg, H, K, V)(form, interpret)
+
+            def call(q, k, v, aux, s0, T, dO, dfin):
+                qv, kv = _to_value_heads(q, H, K), _to_value_heads(k, H, K)
+                _, states = old_fwd(qv, kv, v, aux, s0)
+                dq, dk, dv, daux, ds0 = old_bwd(qv, kv, v, aux, states, dO, dfin)
+                return (_to_key_heads(dq.astype(f32), HK, K).astype(q.dtype),
+                        _to_key_heads(dk.astype(f32), HK, K).astype(q.dtype), dv, daux, ds0)
+            return call
+
+        def call(q, k, v, aux, s0, T, dO, dfin):
+            Kx = k.shape[-1] // HK
+            kw = dict(cfg=cfg, interpret=interpret)
+            w, u = intra_call(k, v, aux, K=Kx, T_in=T, **kw)       # WY from the saved inverse
+            _, states = sweep_call(q, k, w, u, aux, s0, with_o=False, with_states=True, **kw)
+            dstates, ds0 = state_backward_call(q, k, w, aux, dO, dfin, **kw)
+            dq, dk, dv, daux = parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, **kw)
+            return dq, dk, dv, daux, ds0
+        Kp, Vp = _kernel_dims(form, interpret, H, K, V)
+        return pad_heads(call, ("q", "q", "v", None, "s", None, "v", "s"), ("q", "q", "v", None, "s"),
+                         H, K, V, Kp, Vp, HK)
+
+    return make
+
+
+def _core_parts(q, k, v, aux, s0, cfg, mode):
+    H, K, V = s0.shape[1:]
+    HK, N = q.shape[-1] // K, aux.shape[2]
+    return _select(_causal_forward_make(cfg, H, HK, K, V, N), mode, q, k, v, aux, s0)
+
 
 def _core_impl(q, k, v, aux, s0, cfg, mode):
-    final, o = _forward(q, k, v, aux, s0, cfg, mode, with_o=True, with_states=False)
+    o, final, _ = _core_parts(q, k, v, aux, s0, cfg, mode)
     return o, final
 
 
@@ -197,15 +280,18 @@ _core = jax.custom_vjp(_core_impl, nondiff_argnums=(5, 6))
 
 
 def _core_fwd(q, k, v, aux, s0, cfg, mode):
-    return _core_impl(q, k, v, aux, s0, cfg, mode), (q, k, v, aux, s0)
+    o, final, T = _core_parts(q, k, v, aux, s0, cfg, mode)
+    # Residuals: the inputs and the per-chunk inverse (C fp32 values per token and head), so the
+    # backward never re-inverts; states and the WY form are recomputed (cheap: no inverse).
+    return (o, final), (q, k, v, aux, s0, T)
 
 
 def _core_bwd(cfg, mode, res, cts):
-    q, k, v, aux, s0 = res
+    q, k, v, aux, s0, T = res
     dO, dfin = cts
-    # Recompute the chunk start states (one forward sweep) instead of keeping them from the forward.
-    _, states = _forward(q, k, v, aux, s0, cfg, mode, with_o=False, with_states=True)
-    dq, dk, dv, daux, ds0 = _backward(q, k, v, aux, states, dO.astype(v.dtype), dfin.astype(f32), cfg, mode)
+    H, K, V = s0.shape[1:]
+    make = _causal_backward_make(cfg, H, q.shape[-1] // K, K, V)
+    dq, dk, dv, daux, ds0 = _select(make, mode, q, k, v, aux, s0, T, dO.astype(v.dtype), dfin.astype(f32))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), daux, ds0.astype(s0.dtype)
 
 
@@ -235,7 +321,8 @@ def chunk_gated_delta_rule_pallas(
     """Pallas chunked causal GDN; same math and convention as ``chunk_gated_delta_rule_ref``.
 
     Args:
-        q, k: [B, T, H, dk] (l2-normalised, repeated to the value heads); v [B, T, H, dv];
+        q, k: [B, T, HK, dk] l2-normalised, HK = H or grouped (HK divides H: value head h reads key
+            head h // (H / HK), natively on TPU, nothing repeated); v [B, T, H, dv];
             g, beta [B, T, H]; fp32 or bf16 (g, beta are used in fp32).
         initial_state: optional [B, H, dk, dv]; segment_ids: optional int [B, T].
         chunk_size: C (TPU: a multiple of 8; GPU: a power of two >= 16).
@@ -266,7 +353,8 @@ def chunk_gated_delta_rule_pallas(
     if mesh is None:
         o_BTX, final = core(qf, kf, vf, aux, s0)
     else:
-        b_axes, h_axes = gdn_sharding.gdn_mesh_axes(mesh, B, H, batch_axes, head_axes)
+        # head axes must split the KEY heads evenly: a device's value heads then read its key heads
+        b_axes, h_axes = gdn_sharding.gdn_mesh_axes(mesh, B, q.shape[2], batch_axes, head_axes)
         tok = P(b_axes, None, h_axes)     # [B, Tp, H*d]: the flat head dim splits into whole heads
         head = P(b_axes, h_axes)          # [B, H, ...]
         o_BTX, final = gdn_sharding.run_sharded(core, mesh, (tok, tok, tok, head, head), (tok, head),

@@ -2,7 +2,8 @@
 
 Argument convention (transformers' ``torch_*_gated_delta_rule`` with ``use_qk_l2norm_in_kernel=False``):
 
-- ``q_BTHK``, ``k_BTHK``: [B, T, H, dk], ALREADY l2-normalised and repeated to the value heads;
+- ``q_BTHK``, ``k_BTHK``: [B, T, HK, dk], ALREADY l2-normalised; HK = H (repeated to the value
+  heads) or a divisor of H (grouped: value head h reads key head h // (H / HK), repeated here);
 - ``v_BTHV``: [B, T, H, dv];
 - ``g_BTH``: [B, T, H] log-decay (<= 0), ``beta_BTH``: [B, T, H] write strength in (0, 1);
 - state ``state_BHKV``: [B, H, dk, dv], always fp32;
@@ -50,14 +51,15 @@ def _check_inputs(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
     initial_state: jax.Array | None, segment_ids: jax.Array | None,
 ) -> tuple[int, int, int, int, int]:
-    """Validates shapes; returns (B, T, H, dk, dv)."""
+    """Validates shapes; returns (B, T, H, dk, dv) with H the VALUE heads. q and k may carry fewer key
+    heads HK (grouped queries: value head h reads key head h // (H / HK)) when HK divides H."""
     if q.ndim != 4 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be [B, T, H, dk]; got q {q.shape}, k {k.shape}")
-    B, T, H, K = q.shape
-    if v.ndim != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must be [B, T, H, dv] = [{B}, {T}, {H}, dv]; got {v.shape} "
-                         "(q and k must already be repeated to the value heads)")
-    V = v.shape[-1]
+        raise ValueError(f"q and k must both be [B, T, HK, dk]; got q {q.shape}, k {k.shape}")
+    B, T, HK, K = q.shape
+    if v.ndim != 4 or v.shape[:2] != (B, T) or v.shape[2] % HK:
+        raise ValueError(f"v must be [B, T, H, dv] = [{B}, {T}, H, dv] with H a multiple of q/k's {HK} "
+                         f"heads; got {v.shape}")
+    H, V = v.shape[2], v.shape[-1]
     for name, x in (("g", g), ("beta", beta)):
         if x.shape != (B, T, H):
             raise ValueError(f"{name} must be [B, T, H] = {(B, T, H)}; got {x.shape}")
@@ -66,6 +68,12 @@ def _check_inputs(
     if segment_ids is not None and segment_ids.shape != (B, T):
         raise ValueError(f"segment_ids must be [B, T] = {(B, T)}; got {segment_ids.shape}")
     return B, T, H, K, V
+
+
+def repeat_key_heads(q_BTHK: jax.Array, H: int) -> jax.Array:
+    """[B, T, HK, dk] -> [B, T, H, dk]: value head h reads key head h // (H / HK) (HF repeat_interleave)."""
+    rep = H // q_BTHK.shape[2]
+    return q_BTHK if rep == 1 else jnp.repeat(q_BTHK, rep, axis=2)
 
 
 def _reset_flags(segment_ids_BT: jax.Array | None, B: int, T: int) -> jax.Array:
@@ -155,6 +163,7 @@ def recurrent_gated_delta_rule_ref(
     Returns: ``(o_BTHV in v's dtype, final_state_BHKV fp32)``.
     """
     B, T, H, K, V = _check_inputs(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_state_BHKV, segment_ids_BT)
+    q_BTHK, k_BTHK = repeat_key_heads(q_BTHK, H), repeat_key_heads(k_BTHK, H)
     scale = K ** -0.5 if scale is None else scale
     f32 = jnp.float32
     state0_BHKV = (jnp.zeros((B, H, K, V), f32) if initial_state_BHKV is None
@@ -229,6 +238,7 @@ def chunk_gated_delta_rule_ref(
     tokens < n*C, still in the document of token n*C - 1; the block-mode GDN reads it as history).
     """
     B, T, H, K, V = _check_inputs(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_state, segment_ids)
+    q_BTHK, k_BTHK = repeat_key_heads(q_BTHK, H), repeat_key_heads(k_BTHK, H)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     scale = K ** -0.5 if scale is None else scale

@@ -142,11 +142,13 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a_BTH.astype(jnp.float32) + self.dt_bias[...])
         return g, beta
 
-    def heads(self, conv: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Post-conv channels -> q, k l2-normalised and repeated to nv heads [B,T,nv,dk]; v [B,T,nv,dv],
-        all three in the compute dtype (the conv's): with `dtype: bfloat16` the GDN kernels then run
-        their chunk matmuls on bf16 operands with fp32 accumulation (state and triangular inverse
-        stay fp32 inside); the norm itself is taken in fp32 and rounded once."""
+    def heads(self, conv: dict[str, jax.Array], repeat: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Post-conv channels -> q, k l2-normalised [B,T,nk,dk], repeated to nv heads [B,T,nv,dk] with
+        `repeat` (the block-mode and context-parallel ops need it; the causal op reads key head
+        h // (nv/nk) itself); v [B,T,nv,dv]; all three in the compute dtype (the conv's): with `dtype:
+        bfloat16` the GDN kernels then run their chunk matmuls on bf16 operands with fp32
+        accumulation (state and triangular inverse stay fp32 inside); the norm itself is taken in
+        fp32 and rounded once."""
         c = self.cfg
         dt = conv["v"].dtype
         b, t, _ = conv["q"].shape
@@ -154,9 +156,9 @@ class GatedDeltaNet(nnx.Module):
         q = conv["q"].reshape(b, t, c.linear_num_key_heads, c.linear_key_head_dim)
         k = conv["k"].reshape(b, t, c.linear_num_key_heads, c.linear_key_head_dim)
         v = conv["v"].reshape(b, t, c.linear_num_value_heads, c.linear_value_head_dim)
-        # value head j reads key head j // rep (HF repeat_interleave)
-        q = jnp.repeat(l2_normalize(q).astype(dt), rep, axis=2)
-        k = jnp.repeat(l2_normalize(k).astype(dt), rep, axis=2)
+        q, k = l2_normalize(q).astype(dt), l2_normalize(k).astype(dt)
+        if repeat:  # value head j reads key head j // rep (HF repeat_interleave)
+            q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
         return q, k, v
 
     def _conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
@@ -199,7 +201,7 @@ class GatedDeltaNet(nnx.Module):
                  else jnp.zeros((b, lring, mixed[p].shape[-1]), mixed[p].dtype) for p in CONV_PARTS}
         conv = self._conv_parts(mixed, seg, rings, ring_seg)
         new_cache = {f"conv_{p}": jnp.concatenate([rings[p], mixed[p]], axis=1)[:, -lring:] for p in CONV_PARTS}
-        q, k, v = self.heads(conv)
+        q, k, v = self.heads(conv, repeat=False)  # grouped key heads: the causal op indexes them
         g, beta = self.gates(mixed["b"], mixed["a"])
         init_state = None
         if cache is not None:

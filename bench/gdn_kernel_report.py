@@ -1,0 +1,195 @@
+"""Structure of the causal GDN's TPU kernels, before (one step per chunk with the inverse inside) and
+after (the phase split, issue 17), read from the kernels themselves: no timing, runs on CPU.
+
+For every ``pallas_call`` of a causal fwd + bwd (the kernel jaxprs Pallas hands to Mosaic, traced at
+the 35B GDN layer's tile shapes: C = 64, dk = dv = 128, bf16 q/k/v, 32 value / 16 key heads):
+- grid steps per (row, value head) and whether the chunk axis is sequential;
+- per grid step: number of matmuls, the longest chain of DEPENDENT matmuls (the latency a step
+  cannot hide; on a sequential kernel every step is on the recurrence's critical path), and the
+  matmul shapes (M x K x N) with their MXU fill, (K / ceil128(K)) * (N / ceil128(N)) for a 128 x 128
+  tile (contraction x output lanes);
+- residual bytes per layer per row at 8K and 128K tokens: what the forward keeps for the backward
+  (custom_vjp residuals) plus the backward's transient per-chunk states (after: and their cotangents).
+
+    python bench/gdn_kernel_report.py [--out bench/results/gdn_kernel_report.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import gdn_pallas_calls as old_calls
+from pallas_kernels import gdn_phase_calls as new_calls
+from pallas_kernels.gdn_chunk_math import AUX_WIDTH
+from pallas_kernels.gdn_pallas_calls import KernelConfig
+
+SEQUENTIAL = {"gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_sweep", "gdn_state_bwd"}
+MXU = 128
+
+
+def _subs(eqn):
+    for p in eqn.params.values():
+        for s in p if isinstance(p, (tuple, list)) else (p,):
+            if hasattr(s, "eqns"):
+                yield s
+            elif hasattr(getattr(s, "jaxpr", None), "eqns"):
+                yield s.jaxpr
+
+
+def dot_chain(jaxpr, in_depth=None) -> tuple[int, list[tuple]]:
+    """(longest chain of dependent dots, every dot's (M, K, N)) of a jaxpr. A value's depth is the
+    most dots on any dataflow path from the inputs to it; sub-jaxprs (pjit, cond branches, custom_jvp)
+    are entered with their operands' depths. Kernels return nothing (their results are ref stores),
+    so the chain is the deepest value anywhere in the body."""
+    depth = dict(zip(jaxpr.invars, in_depth or [0] * len(jaxpr.invars)))
+    get = lambda v: 0 if hasattr(v, "val") else depth.get(v, 0)  # noqa: E731  literals: 0
+    dots, best = [], 0
+    for eqn in jaxpr.eqns:
+        ins = [get(v) for v in eqn.invars]
+        base = max(ins, default=0)
+        out = base
+        if eqn.primitive.name == "dot_general":
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            a, b = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            kk = math.prod(a[i] for i in lc)
+            dots.append((math.prod(a) // kk, kk, math.prod(b) // math.prod(b[i] for i in rc)))
+            out = base + 1
+        for sub in _subs(eqn):
+            n_in = len(sub.invars)
+            d, sub_dots = dot_chain(sub, ins[-n_in:] if n_in <= len(ins) else [base] * n_in)
+            dots += sub_dots
+            out = max(out, d)
+        for v in eqn.outvars:
+            depth[v] = out
+        best = max(best, out)
+    return best, dots
+
+
+def fill(shape) -> float:
+    _, kk, n = shape
+    return (kk / (MXU * math.ceil(kk / MXU))) * (n / (MXU * math.ceil(n / MXU)))
+
+
+def pallas_calls(fn, *args) -> list:
+    out = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "pallas_call":
+                out.append(e)
+                continue
+            for s in _subs(e):
+                walk(s)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return out
+
+
+def kernel_rows(fn, *args, per_row_heads: int, rep: int = 1) -> list[dict]:
+    rows = []
+    for e in pallas_calls(fn, *args):
+        name = str(e.params["name"])
+        grid = tuple(e.params["grid_mapping"].grid)
+        chain, dots = dot_chain(e.params["jaxpr"])
+        shapes = sorted({d for d in dots})
+        rows.append(dict(
+            kernel=name, sequential=name in SEQUENTIAL,
+            # the parallel backward's grid runs over key heads, rep value heads per step
+            steps_per_row_head=math.prod(grid) * (rep if name == "gdn_parallel_bwd" else 1) // per_row_heads,
+            matmuls_per_step=len(dots), dependent_matmuls_per_step=chain,
+            matmul_shapes=[f"{m}x{k}x{n}" for m, k, n in shapes],
+            mxu_fill_mean=round(sum(fill(d) for d in dots) / max(len(dots), 1), 3),
+            flops=int(e.params["cost_estimate"].flops) if e.params.get("cost_estimate") else None))
+    return rows
+
+
+def shapes(B: int, T: int, H: int, HK: int, K: int, V: int, C: int, bf=jnp.bfloat16):
+    sd = jax.ShapeDtypeStruct
+    N = T // C
+    return dict(q=sd((B, T, HK * K), bf), k=sd((B, T, HK * K), bf), v=sd((B, T, H * V), bf),
+                aux=sd((B, H, N, AUX_WIDTH, C), jnp.float32), s0=sd((B, H, K, V), jnp.float32),
+                states=sd((B, H, N * K, V), jnp.float32), T=sd((B, H, N, C, C), jnp.float32),
+                dO=sd((B, T, H * V), bf))
+
+
+def before(B, T, H, HK, K, V, C):
+    """The one-step-per-chunk TPU kernels (q, k repeated to the value heads)."""
+    x = shapes(B, T, H, H, K, V, C)
+    cfg = KernelConfig(chunk_size=C, scale=K ** -0.5, low_dtype="bfloat16")
+    kw = dict(cfg=cfg, form="tpu", interpret=False)
+
+    def fwd_bwd(q, k, v, aux, s0, dO):
+        final, o = old_calls.forward_call(q, k, v, aux, s0, **kw)
+        _, st = old_calls.forward_call(q, k, v, aux, s0, with_o=False, with_states=True, **kw)
+        return o, old_calls.backward_call(q, k, v, aux, st, dO, final, **kw)
+    rows = kernel_rows(fwd_bwd, x["q"], x["k"], x["v"], x["aux"], x["s0"], x["dO"], per_row_heads=B * H)
+    rows[1]["kernel"] += " (state recompute)"
+    return rows
+
+
+def after(B, T, H, HK, K, V, C):
+    x = shapes(B, T, H, HK, K, V, C)
+    cfg = KernelConfig(chunk_size=C, scale=K ** -0.5, low_dtype="bfloat16")
+    kw = dict(cfg=cfg, interpret=False)
+
+    def fwd_bwd(q, k, v, aux, s0, dO):
+        Tinv, w, u = new_calls.intra_call(k, v, aux, K=K, **kw)
+        final, o = new_calls.sweep_call(q, k, w, u, aux, s0, **kw)
+        w2, u2 = new_calls.intra_call(k, v, aux, K=K, T_in=Tinv, **kw)
+        _, st = new_calls.sweep_call(q, k, w2, u2, aux, s0, with_o=False, with_states=True, **kw)
+        dst, ds0 = new_calls.state_backward_call(q, k, w2, aux, dO, final, **kw)
+        return o, new_calls.parallel_backward_call(q, k, v, aux, Tinv, w2, u2, st, dst, dO, **kw)
+    rows = kernel_rows(fwd_bwd, x["q"], x["k"], x["v"], x["aux"], x["s0"], x["dO"], per_row_heads=B * H,
+                       rep=H // HK)
+    rows[2]["kernel"] += " (WY recompute)"
+    rows[3]["kernel"] += " (state recompute)"
+    return rows
+
+
+def residual_bytes(T: int, H: int, HK: int, K: int, V: int, C: int) -> dict:
+    """Per layer, per row: the custom_vjp residuals and the backward's transient per-chunk states."""
+    N = -(-T // C)
+    tok = lambda heads, d, b: T * heads * d * b  # noqa: E731
+    common = tok(H, V, 2) + H * N * AUX_WIDTH * C * 4 + H * K * V * 4          # v, aux, s0
+    states = H * N * K * V * 4
+    return dict(  # after: the states and their cotangents per chunk (the parallel backward reads both)
+        before=dict(residuals=common + 2 * tok(H, K, 2), backward_states=states),
+        after=dict(residuals=common + 2 * tok(HK, K, 2) + H * N * C * C * 4, backward_states=2 * states))
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench/results/gdn_kernel_report.json")
+    p.add_argument("--T", type=int, default=8192, help="tokens of the traced kernels (structure does not depend on it)")
+    a = p.parse_args(argv)
+    H, HK, K, V, C = 32, 16, 128, 128, 64
+    report = dict(shapes=dict(T=a.T, H=H, HK=HK, dk=K, dv=V, C=C, dtype="bfloat16"),
+                  before=before(1, a.T, H, HK, K, V, C), after=after(1, a.T, H, HK, K, V, C),
+                  residual_bytes={f"{t // 1024}K": residual_bytes(t, H, HK, K, V, C) for t in (8192, 131072)})
+    for side in ("before", "after"):
+        print(f"\n{side}: kernel | seq | steps/(row,head) | matmuls/step | dependent | mean MXU fill | shapes")
+        for r in report[side]:
+            print(f"  {r['kernel']:<32} {'seq' if r['sequential'] else 'par':<4} {r['steps_per_row_head']:>6} "
+                  f"{r['matmuls_per_step']:>4} {r['dependent_matmuls_per_step']:>4} {r['mxu_fill_mean']:>6}  "
+                  f"{' '.join(r['matmul_shapes'])}")
+        seq = [r for r in report[side] if r["sequential"]]
+        print(f"  sequential matmuls per chunk (fwd + bwd): {sum(r['matmuls_per_step'] for r in seq)}, "
+              f"dependent: {sum(r['dependent_matmuls_per_step'] for r in seq)}")
+    print("\nresidual bytes per layer per row (custom_vjp residuals | backward's transient chunk states):")
+    for t, r in report["residual_bytes"].items():
+        print(f"  {t}: before {r['before']['residuals'] / 2**20:,.0f} MiB | {r['before']['backward_states'] / 2**20:,.0f} MiB"
+              f"   after {r['after']['residuals'] / 2**20:,.0f} MiB | {r['after']['backward_states'] / 2**20:,.0f} MiB")
+    out = pathlib.Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
