@@ -81,9 +81,11 @@ def op_fns(op: str, backend: str, interpret: bool | None):
     return forward, loss
 
 
-def run_op(op: str, x: dict[str, np.ndarray], time_dtype, interpret: bool | None, repeats: int) -> dict:
+def run_op(op: str, x: dict[str, np.ndarray], time_dtype, interpret: bool | None, repeats: int,
+           compiler_options: dict | None = None) -> dict:
     """Errors (fp32) and timings (time_dtype) of one op, kernel vs reference. Each program is
-    compiled once per dtype: with an fp32 time_dtype the error programs are the timed ones."""
+    compiled once per dtype (with `compiler_options`): with an fp32 time_dtype the error programs
+    are the timed ones."""
     names = CAUSAL_ARGS if op == "causal" else BLOCK_ARGS
     extra = ("seg", "w_o", "w_on", "w_s") if op == "block" else ("seg", "w_o", "w_s")
     argnums = tuple(range(len(names)))
@@ -100,7 +102,7 @@ def run_op(op: str, x: dict[str, np.ndarray], time_dtype, interpret: bool | None
             for label, fn in (("fwd", jax.jit(fwd)),
                               ("fwd_bwd", jax.jit(jax.value_and_grad(loss, argnums=argnums)))):
                 t0 = time.perf_counter()
-                progs[f"{backend}_{label}"] = fn.lower(*args).compile()
+                progs[f"{backend}_{label}"] = fn.lower(*args).compile(compiler_options)
                 secs[f"{backend}_{label}"] = time.perf_counter() - t0
         return args, progs, secs
 
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="q / k / v dtype of the timed runs (default bfloat16; float32 with --smoke)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=480.0, help="start no new (T, op) after this many seconds")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (T = 256, 2 heads, dk = dv = 32), fp32, 1 repeat")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (T = 256, 2 heads, dk = dv = 32), fp32, 1 repeat, XLA backend opt level 0")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -142,6 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--seqs {bad}: each T must be a multiple of the block size {BLOCK} and at least {2 * CHUNK}")
     # fp32 timing reuses the error programs (half the compiles): the smoke default
     args.time_dtype = args.time_dtype or ("float32" if args.smoke else "bfloat16")
+    # smoke (a check of the script, its times mean nothing): XLA's backend optimisation level 0,
+    # the same semantics at about half the CPU compile time
+    fast = {"xla_backend_optimization_level": 0} if args.smoke else None
     out = args.out or (pathlib.Path(os.environ["OUT"]) / "gdn_device.json" if os.environ.get("OUT")
                        else pathlib.Path(__file__).resolve().parent / "results" / "gdn_device.json")
     interpret = None  # the dispatch default: interpret on CPU only
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
                 report["skipped"].append({"T": T, "op": op, "after_s": elapsed})
                 print(f"T={T} {op}: skipped ({elapsed:.0f} s > --budget-s {args.budget_s:.0f})", flush=True)
                 continue
-            r = {"T": T, "op": op, **run_op(op, x, jnp.dtype(args.time_dtype), interpret, args.repeats)}
+            r = {"T": T, "op": op, **run_op(op, x, jnp.dtype(args.time_dtype), interpret, args.repeats, fast)}
             report["rows"].append(r)
             print_row(r)
             out.parent.mkdir(parents=True, exist_ok=True)

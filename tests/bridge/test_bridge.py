@@ -19,6 +19,7 @@ from clover_jax.bridge import params_checkpoint as pc
 from clover_jax.config import ModelConfigError
 from clover_jax.model.params import flatten
 from clover_jax.bridge.safetensors_io import CheckpointError, SafetensorsIndex, ShardedSafetensorsWriter
+from tests.model.parity_utils import FP32_REL, assert_rel_close
 from tests.hf_fixtures import (
     TOKENIZER_FILES,
     assert_tensors_identical,
@@ -127,7 +128,7 @@ def test_export_loads_in_transformers_with_same_logits(hf_model, sp_dir, tmp_pat
     loaded = Qwen3_5MoeForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert loaded.dtype == torch.float32
     ids = np.random.default_rng(0).integers(0, hf_model.config.vocab_size, (2, 11))
-    np.testing.assert_allclose(hf_logits(loaded, ids), hf_logits(hf_model, ids), rtol=0, atol=1e-5)
+    assert_rel_close(hf_logits(loaded, ids), hf_logits(hf_model, ids), FP32_REL, f"{layout} export: logits")
 
 
 def test_fused_and_per_expert_sources_give_identical_trees(hf_model, sp_dir, tmp_path):

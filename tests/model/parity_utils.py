@@ -6,8 +6,8 @@ Import as ``from tests.model.parity_utils import ...`` (tests/ is a package; pyt
   `max|ours - ref| <= rel * max|ref|`, with a failure message that says where the worst element is.
   The bound is relative to the reference's scale, so it means the same on any host (fp32
   accumulation order differs between CPUs, e.g. with AVX-512): `FP32_REL` = 1e-5 for the same math
-  in fp32 (a different op order, fusion or sharding); a test holds a smaller `rel` where its math is
-  a few ops only (it never exceeds what the test's old absolute bound allowed at its scale);
+  in fp32 (a different op order, fusion or sharding); a test holds a smaller `rel` where it claims
+  tighter agreement (a few ops only, or the same ops recomputed);
 * `our_layer(model, i)`: decoder layer `i` of a `CloverModel` as a standalone `DecoderLayer`
   (its `attn` / `gdn` / `moe` submodules can then be run alone against the HF module of that layer);
 * `our_attention_ctx` / `our_gdn_ctx` / `our_moe_ctx`: the per-mixer contexts the model builds for a

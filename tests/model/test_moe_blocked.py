@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.model.moe_blocked import block_rows, blocked_ffn
+from tests.model.parity_utils import FP32_REL, assert_rel_close
 
 
 def _oracle(xs, sizes, wg, wu, wo):
@@ -30,7 +31,7 @@ def test_blocked_ffn_values_and_gradients_equal_per_group_oracle():
     ct = jax.random.normal(ks[4], (m, d))
     got = jax.jit(blocked_ffn)(xs, jnp.asarray(sizes, jnp.int32), wg, wu, wo)
     want = _oracle(xs, sizes, wg, wu, wo)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert_rel_close(got, want, FP32_REL, "output")
     assert np.all(np.asarray(got[sum(sizes):]) == 0.0)
 
     loss = lambda f: lambda x, a, b, c: jnp.sum(f(x, a, b, c) * ct)  # noqa: E731
@@ -38,6 +39,6 @@ def test_blocked_ffn_values_and_gradients_equal_per_group_oracle():
                              argnums=(0, 1, 2, 3)))(xs, wg, wu, wo)
     g_want = jax.grad(loss(lambda x, a, b, c: _oracle(x, sizes, a, b, c)), argnums=(0, 1, 2, 3))(xs, wg, wu, wo)
     for name, a, b in zip(("x", "wi_gate", "wi_up", "wo"), g_got, g_want):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=name)
+        assert_rel_close(a, b, FP32_REL, f"d{name}")
     assert np.all(np.asarray(g_got[0][sum(sizes):]) == 0.0)  # rows past the groups get no gradient
     assert np.all(np.asarray(g_got[1][1]) == 0.0)  # the empty expert gets no weight gradient

@@ -14,6 +14,7 @@ from clover_jax.model.clover_model import create_model, model_to_params
 from sft.loss import (LossConfig, ar_targets, make_sft_loss, token_coefficients, weighted_ce,
                       weighted_ce_reference)
 from sft.noise import NoiseConfig, noise_batch
+from tests.model.parity_utils import FP32_REL, assert_rel_close
 
 
 def _inputs(seed, b=3, t=20, d=8, v=50, density=0.3):
@@ -44,7 +45,7 @@ def test_chunked_ce_equals_full_logits_ce(chunk_tokens, groups):
     g_got = f(lambda h, w: weighted_ce(h, w, tgt, coef, m, chunk_tokens=chunk_tokens, groups=groups))
     g_want = f(lambda h, w: weighted_ce_reference(h, w, tgt, coef, m))
     for a, b in zip(g_got, g_want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert_rel_close(a, b, FP32_REL, "grad")
     # gradients at non-loss positions are exactly zero (their chunks are skipped or weightless)
     assert np.all(np.asarray(g_got[0])[~np.asarray(m)] == 0.0)
 
@@ -55,7 +56,7 @@ def test_chunked_ce_under_jit_scaled_cotangent_and_empty_mask():
     g = f(h, w)
     r = jax.grad(lambda h, w: 3.0 * weighted_ce_reference(h, w, tgt, coef, m)[0], argnums=(0, 1))(h, w)
     for a, b in zip(g, r):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert_rel_close(a, b, FP32_REL, "grad")
     empty = jnp.zeros_like(m)
     out = weighted_ce(h, w, tgt, jnp.zeros_like(coef), empty, chunk_tokens=4)
     np.testing.assert_array_equal(out, np.zeros(3))

@@ -8,6 +8,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tests.model.parity_utils import FP32_REL, assert_rel_close
 from tests.train.test_train_toy import ToyBatches, make_batch, toy_loss, toy_params
 from train.config import OptimizerConfig
 from train.optimizer import build_optimizer
@@ -41,7 +42,7 @@ def test_accumulated_masked_mean_equals_full_batch(micro_batches):
     np.testing.assert_allclose(got_m["accuracy"], want_m["accuracy"], rtol=1e-6)
     assert got_m["weight"] == want_m["weight"] == batch["mask"].sum()  # counts are summed
     assert got_m["tokens"] == batch["mask"].size
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-7), got_g, want_g)
+    jax.tree.map(lambda g, w: assert_rel_close(g, w, FP32_REL, "grad"), got_g, want_g)
 
     # the micro-batches really are uneven, so a plain mean of micro-batch losses would be wrong
     mbs = split_micro_batches(batch, micro_batches)
@@ -58,7 +59,7 @@ def test_accumulation_without_weight_is_plain_mean():
     want = jax.grad(lambda p: mse(p, batch, None)[0])(params)
     got, m = _step_grads(mse, params, batch, 4)
     np.testing.assert_allclose(m["loss"], mse(params, batch, None)[0], rtol=1e-6)
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-7), got, want)
+    jax.tree.map(lambda g, w: assert_rel_close(g, w, FP32_REL, "grad"), got, want)
 
 
 def test_split_micro_batches_is_strided_and_checks_divisibility():
@@ -135,4 +136,4 @@ def test_data_parallel_mesh_matches_single_device():
 
     (single, s1), (sharded, s8) = losses(False), losses(True)
     np.testing.assert_allclose(sharded, single, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), s8.params, s1.params)
+    jax.tree.map(lambda a, b: assert_rel_close(a, b, FP32_REL, "params"), s8.params, s1.params)
