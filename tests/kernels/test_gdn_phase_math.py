@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 
 from pallas_kernels import gdn_chunk_math as cm  # noqa: E402
 from pallas_kernels import gdn_phase_math as pm  # noqa: E402
+from tests.model.parity_utils import FP32_REL, assert_rel_close  # noqa: E402
 
 C, K, W = 16, 8, 4
 SCALE = K ** -0.5
@@ -41,9 +42,7 @@ def chunk_case(seed: int = 0):
 
 
 def close(a, b, what):
-    b = np.asarray(b)
-    err = float(np.max(np.abs(np.asarray(a) - b)))
-    assert err <= 1e-5 * max(1.0, float(np.max(np.abs(b)))), (what, err)
+    assert_rel_close(a, b, FP32_REL, what)
 
 
 def test_phases_compose_to_the_chunk_forward_and_its_vjp():
