@@ -56,7 +56,7 @@ Tree = dict[str, Any]
 #: Copied verbatim from the source HF dir on export, where present.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-    "chat_template.jinja", SUBSET_FILE,  # the last: a task vocabulary's map to the base ids
+    "chat_template.jinja", SUBSET_FILE,  # vocab_subset.json: a task vocabulary's map to the base ids
 )
 EXPORT_FORMATS = ("qwen", "clover")
 #: Names for checkpoints that record no source (e.g. trained from scratch): compact fused experts.
