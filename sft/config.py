@@ -13,6 +13,8 @@ bad types fail naming the key):
     eval:       EvalConfig (held-out masked-token loss at fixed noise levels)
     train, optimizer, checkpoint, logging:     the train.config sections
     export:     ExportConfig (HF export at the end)
+    vocab_subset: sft.task_vocab.VocabSubsetConfig (a task-restricted vocabulary for tiny research
+                models: the data tokenizer cut to the corpus's tokens, random init only)
     mesh:       clover_jax.parallel.sharding.MeshConfig; devices: use only the first N devices (tests)
     peak_flops_per_device, count_flops: the MFU denominator (None: a known chip's peak, else
                 measured) and whether to count the step's FLOPs (a lowering of the unrolled stack)
@@ -41,6 +43,7 @@ from clover_jax.yaml_config import ConfigError, apply_overrides, deep_merge, fro
 from sft.data.config import DataConfig
 from sft.loss import LossConfig
 from sft.noise import NoiseConfig
+from sft.task_vocab import VocabSubsetConfig
 from train.config import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainConfig, TrainerConfig
 
 __all__ = ["DATA_README", "EvalConfig", "ExportConfig", "ModelSpec", "SFTConfig", "check_data_root", "load_sft_config",
@@ -117,6 +120,7 @@ class SFTConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    vocab_subset: VocabSubsetConfig = field(default_factory=VocabSubsetConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     devices: int | None = None
     peak_flops_per_device: float | None = None  # None: a known chip's bf16 peak, else measured (CPU)
@@ -215,6 +219,9 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
                           "(random init)")
     if cfg.model.generate_missing and (cfg.model.preset is None or cfg.model.init_from is None):
         raise ConfigError(f"{where}: model.generate_missing needs both model.init_from and model.preset")
+    if cfg.vocab_subset.enabled and cfg.model.init_from is not None:
+        raise ConfigError(f"{where}: vocab_subset.enabled needs a random init (model.preset, no model.init_from): "
+                          "a checkpoint's embedding rows are numbered by the full vocabulary")
     model_config_from(cfg.model, None)  # type-check the overrides now, not after loading 70 GB
     return cfg
 

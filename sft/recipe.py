@@ -319,6 +319,12 @@ def prepare(cfg: SFTConfig) -> SFTSetup:
     kind, path, ck_cfg, tok_dir = _source(cfg)
     mcfg = model_config_from(cfg.model, ck_cfg)
     mcfg = mcfg.replace(param_dtype=cfg.train.param_dtype)
+    if cfg.vocab_subset.enabled:
+        from sft.task_vocab import build_task_vocab, subset_model_ids
+
+        tok_dir = build_task_vocab(cfg, tok_dir)
+        cfg = replace(cfg, data=replace(cfg.data, tokenizer=None))  # the data reads the subset at tok_dir
+        mcfg = subset_model_ids(mcfg, tok_dir, cfg.vocab_subset.pad_to)
     mcfg = resolve_mask_token(mcfg, cfg, tok_dir)
     data = open_data(cfg, mcfg, tok_dir)
     devices = jax.devices()[: cfg.devices] if cfg.devices else jax.devices()

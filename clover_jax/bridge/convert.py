@@ -47,6 +47,7 @@ from clover_jax.bridge.params_checkpoint import (
     write_params_checkpoint,
 )
 from clover_jax.bridge.safetensors_io import CheckpointError, SafetensorsIndex, ShardedSafetensorsWriter
+from clover_jax.bridge.vocab_subset import SUBSET_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ Tree = dict[str, Any]
 #: Copied verbatim from the source HF dir on export, where present.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-    "chat_template.jinja",
+    "chat_template.jinja", SUBSET_FILE,  # vocab_subset.json: a task vocabulary's map to the base ids
 )
 EXPORT_FORMATS = ("qwen", "clover")
 #: Names for checkpoints that record no source (e.g. trained from scratch): compact fused experts.

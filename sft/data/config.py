@@ -12,6 +12,8 @@ Example::
         - {name: tau, format: tau_bench, path: /data/tau/*.jsonl, weight: 2.0}
         - {name: bfcl, format: bfcl, path: /data/bfcl/BFCL_v4_simple_python.json}
         - {name: synth, format: synthetic, options: {n_records: 5000, seed: 1}}
+        - {name: task, format: tool_task, path: /data/bfcl/BFCL_v4_simple_python.json,
+           options: {n_records: 4000, seed: 0, split: train}}   # sft.data.tool_task
         - {name: mine, format: chat, hf: {path: json, data_files: /data/mine.jsonl}}
 
 Invariants checked here (``ConfigError`` naming the source and key): unique source names, exactly
@@ -31,9 +33,10 @@ from clover_jax.yaml_config import ConfigError
 
 __all__ = ["FORMATS", "DataConfig", "FilterConfig", "SourceConfig", "block_align_for"]
 
-FORMATS = ("chat", "bfcl", "tau_bench", "when2call", "toolbench", "swe_agent", "hermes", "synthetic")
+FORMATS = ("chat", "bfcl", "tau_bench", "when2call", "toolbench", "swe_agent", "hermes", "synthetic",
+           "tool_task")
 Format = Literal["chat", "bfcl", "tau_bench", "when2call", "toolbench", "swe_agent", "hermes",
-                 "synthetic"]
+                 "synthetic", "tool_task"]
 
 
 def block_align_for(block_size: int | tuple[int, ...]) -> int:
@@ -108,6 +111,9 @@ class SourceConfig:
             if self.path is not None or self.hf is not None:
                 raise ConfigError(f"{where}: path/hf: a synthetic source generates its records; "
                                   "set options.n_records / options.seed instead")
+        elif self.format == "tool_task" and (self.path is None or self.hf is not None):
+            raise ConfigError(f"{where}: path: a tool_task source generates its records from the BFCL "
+                              "schema file at 'path' (e.g. bfcl/BFCL_v4_simple_python.json); set path, not hf")
         elif (self.path is None) == (self.hf is None):
             raise ConfigError(f"{where}: path/hf: give exactly one of 'path' (file or glob) or "
                               "'hf' (a datasets.load_dataset spec)")

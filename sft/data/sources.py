@@ -84,6 +84,18 @@ def _raw_items(src: SourceConfig, where: str) -> tuple[list, Iterator[tuple[Loc,
         label = f"synthetic:{src.name}"
         recs = generate_records(opts["n_records"], opts["seed"])
         return [], ((Loc(label, index=i), r) for i, r in enumerate(recs))
+    if src.format == "tool_task":
+        from sft.data import tool_task
+
+        opts = resolve_options("tool_task", src.options, where)
+        files = expand_path(src.path, where)
+        if len(files) != 1:
+            raise ConfigError(f"{where}: path: a tool_task source needs exactly one BFCL schema file, "
+                              f"{src.path} matches {len(files)}")
+        schemas = tool_task.load_schemas(str(files[0]), opts["max_functions"], opts["max_values"])
+        recs = tool_task.generate_records(opts["n_records"], opts["seed"], opts["split"], schemas)
+        label = f"tool_task:{src.name}:{opts['split']}"
+        return [], ((Loc(label, index=i), r) for i, r in enumerate(recs))
     if src.path is not None:
         files = expand_path(src.path, where)
         return files, (item for f in files for item in iter_file(f))

@@ -28,6 +28,7 @@ Converter = Callable[[Any, Loc], "dict | None"]
 CONVERTERS: dict[str, type] = {
     "chat": ChatConverter,
     "synthetic": ChatConverter,  # the generator emits canonical records
+    "tool_task": ChatConverter,  # so does sft.data.tool_task
     "bfcl": BfclConverter,
     "when2call": When2CallConverter,
     "hermes": HermesConverter,
@@ -42,6 +43,14 @@ OPTIONS: dict[str, dict[str, tuple[type | tuple[type, ...], Any, str]]] = {
 OPTIONS["synthetic"] = {
     "n_records": (int, 1000, "number of generated conversations"),
     "seed": (int, 0, "generator seed (record i depends only on (seed, i))"),
+}
+
+OPTIONS["tool_task"] = {
+    "n_records": (int, 1000, "number of generated records"),
+    "seed": (int, 0, "generator seed (record i depends only on (seed, split, i))"),
+    "split": (str, "train", "train | heldout: disjoint user turns (sft.data.tool_task)"),
+    "max_functions": (int, 32, "eligible BFCL functions in the pool (file order)"),
+    "max_values": (int, 256, "string values sampled from BFCL's possible answers"),
 }
 
 
@@ -68,10 +77,13 @@ def resolve_options(fmt: str, options: Mapping[str, Any], where: str) -> dict[st
 
 def check_options(fmt: str, options: Mapping[str, Any], where: str) -> None:
     resolve_options(fmt, options, where)
-    if fmt == "synthetic":
-        n = resolve_options(fmt, options, where)["n_records"]
+    if fmt in ("synthetic", "tool_task"):
+        opts = resolve_options(fmt, options, where)
+        n = opts["n_records"]
         if n is None or n < 1:
             raise ConfigError(f"{where}: options.n_records: must be >= 1, got {n}")
+        if fmt == "tool_task" and opts["split"] not in ("train", "heldout"):
+            raise ConfigError(f"{where}: options.split: expected train or heldout, got {opts['split']!r}")
 
 
 def make_converter(fmt: str, options: Mapping[str, Any], files: Sequence[Path],

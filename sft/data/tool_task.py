@@ -1,0 +1,229 @@
+"""A tool-call task whose answers must be read from the prompt (our generator over BFCL schemas).
+
+The research model of block-size calibration (issue 20) needs a task that block-parallel decoding can
+get wrong: argument values that are not predictable from the format alone. Each record offers 2-3
+real BFCL function schemas (``BFCL_v4_simple_python.json``: functions whose required parameters are
+1-3 strings / integers / booleans) and one user turn; the first assistant turn is the answer:
+
+- ``single`` (50%): the user asks for one function by its name words ("calculate triangle area")
+  with a value per required parameter; the call copies the string values verbatim, writes integers
+  as JSON numbers (digits copied, or a number word "seven" transformed to 7) and booleans from
+  "with X" / "without X";
+- ``multi`` (30%): two such requests joined by " Then "; two calls in one assistant turn, in order;
+- ``none`` (20%): small talk that names someone (the reply greets them) or a request for a function that is not offered (the
+  reply names it: "None of the available tools can <name words>.").
+
+String values come from the string arguments of BFCL's possible answers (all categories that ship a
+``possible_answer`` file next to the schemas): real values, shared by every function, so the value
+cannot be guessed from the function. Record ``i`` of ``(seed, split)`` depends only on them: draws
+are retried until the user turn's hash falls in the split's bucket (``heldout``: 1 in
+``HELDOUT_BUCKETS``), so the train and held-out prompts are disjoint by construction
+(``assert_disjoint`` checks it on any two record lists). Usage: ``python -m sft.data.tool_task
+--bfcl /work/shared/data/bfcl/BFCL_v4_simple_python.json --split heldout --n 200 --out f.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = ["HELDOUT_BUCKETS", "TaskSchemas", "assert_disjoint", "generate_records", "load_schemas",
+           "prompt_key", "write_jsonl"]
+
+HELDOUT_BUCKETS = 8  # 1 in 8 user turns belongs to the held-out split
+SPLITS = ("train", "heldout")
+_TYPES = ("string", "integer", "boolean")
+_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve").split()
+# small talk greets a name (a value of the pool): varied user turns in both splits, copied into the reply
+_SMALL_TALK = (("Hi, I am {v}.", "Hello {v}! How can I help you today?"),
+               ("Thanks, that's all from {v}.", "You're welcome, {v}! Have a great day."),
+               ("Good morning, this is {v}.", "Good morning, {v}! What can I do for you?"))
+_VALUE_RE = re.compile(r"[A-Za-z][A-Za-z0-9 .,-]*")  # plain values: no quotes, escapes or markup
+_ASK = ("Please {what} with {args}.", "Can you {what} with {args}?", "I need to {what}: {args}.")
+
+
+class TaskSchemas:
+    """The function pool (tool dicts in the canonical record layout) and the string-value pool."""
+
+    def __init__(self, tools: list[dict], values: list[str], where: str):
+        if len(tools) < 4:
+            raise ValueError(f"{where}: {len(tools)} eligible functions; the task needs at least 4")
+        if len(values) < 8:
+            raise ValueError(f"{where}: {len(values)} string values in the possible answers; need at least 8")
+        self.tools, self.values, self.where = tools, values, where
+        self.by_name = {t["function"]["name"]: t for t in tools}
+
+
+def _eligible(fn: dict) -> dict | None:
+    params = fn.get("parameters") or {}
+    props, req = params.get("properties") or {}, list(params.get("required") or [])
+    if not 1 <= len(req) <= 3 or any(k not in props for k in req):
+        return None
+    if any(props[k].get("type") not in _TYPES or "enum" in props[k] for k in req):
+        return None
+    return {"type": "function", "function": {
+        "name": fn["name"], "parameters": {"type": "object", "properties": {k: {"type": props[k]["type"]} for k in req},
+                       "required": req}}}
+
+
+def _strings(obj: Any) -> Iterable[str]:
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, list):
+        for x in obj:
+            yield from _strings(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _strings(x)
+
+
+@functools.lru_cache(maxsize=8)
+def load_schemas(schema_file: str, max_functions: int = 32, max_values: int = 256) -> TaskSchemas:
+    """The first `max_functions` eligible functions of a BFCL question file (JSON Lines), names
+    unique (required parameters only, without descriptions: short prompts for a 2-core model),
+    and the string values of the possible answers (1-3 words, <= 20 characters, starting with a letter, only letters, digits,
+    spaces and `.,-`) of every `possible_answer/*.json` next to it: a fixed sample of `max_values`
+    of them, sorted (deterministic)."""
+    path = Path(schema_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"tool_task: BFCL schema file {path} does not exist")
+    tools: dict[str, dict] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        for fn in rec.get("function") or []:
+            tool = _eligible(fn)
+            if tool is not None and fn["name"] not in tools and len(tools) < max_functions:
+                tools[fn["name"]] = tool
+    values: set[str] = set()
+    answers = sorted((path.parent / "possible_answer").glob("*.json"))
+    for f in answers:
+        for line in f.read_text().splitlines():
+            if line.strip():
+                for v in _strings(json.loads(line).get("ground_truth")):
+                    v = v.strip()
+                    if len(v) <= 20 and len(v.split()) <= 3 and _VALUE_RE.fullmatch(v):
+                        values.add(v)
+    # a fixed sample of `max_values`: each value recurs in training, so its tokens are learned
+    pool = sorted(values)
+    pool = sorted(random.Random("clover-tool-task-values").sample(pool, min(max_values, len(pool))))
+    return TaskSchemas(list(tools.values()), pool, str(path))
+
+
+def _name_words(name: str) -> str:
+    return name.replace(".", " ").replace("_", " ").strip()
+
+
+def _request(rng: random.Random, tool: dict, pool: Sequence[str]) -> tuple[str, dict]:
+    """(user phrase, arguments) for one call of `tool`."""
+    fn = tool["function"]
+    parts, args = [], {}
+    for k in fn["parameters"]["required"]:
+        t, key = fn["parameters"]["properties"][k]["type"], _name_words(k)
+        if t == "integer":
+            v = rng.randint(0, 12) if rng.random() < 0.3 else rng.randint(13, 999)
+            said = _WORDS[v] if v <= 12 else str(v)
+            parts.append(f"{key} {said}")
+        elif t == "boolean":
+            v = rng.random() < 0.5
+            parts.append(f"{'with' if v else 'without'} {key}")
+        else:
+            v = rng.choice(pool)
+            parts.append(f"{key} {v}")
+        args[k] = v
+    text = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
+    return rng.choice(_ASK).format(what=_name_words(fn["name"]), args=text), args
+
+
+def _draw(rng: random.Random, schemas: TaskSchemas) -> dict:
+    scenario = rng.choices(["single", "multi", "none"], [50, 30, 20])[0]
+    needed = rng.sample(schemas.tools, 2 if scenario == "multi" else 1)
+    others = [t for t in schemas.tools if t not in needed]
+    offered = needed + rng.sample(others, rng.randint(1, 2)) if scenario != "none" else []
+    if scenario == "none":
+        offered = rng.sample(others, rng.randint(2, 3))
+        if rng.random() < 0.5:
+            name = rng.choice(schemas.values)
+            user, reply = (s.format(v=name) for s in rng.choice(_SMALL_TALK))
+        else:  # needed[0] is not offered
+            user, _ = _request(rng, needed[0], schemas.values)
+            reply = f"None of the available tools can {_name_words(needed[0]['function']['name'])}."
+        answer: dict[str, Any] = {"role": "assistant", "content": reply}
+    else:
+        asks, calls = [], []
+        for tool in needed:
+            text, args = _request(rng, tool, schemas.values)
+            asks.append(text)
+            calls.append({"type": "function", "function": {"name": tool["function"]["name"], "arguments": args}})
+        user = " Then ".join(asks)
+        answer = {"role": "assistant", "content": "", "tool_calls": calls}
+    rng.shuffle(offered)
+    return {"messages": [{"role": "user", "content": user}, answer], "tools": offered}
+
+
+def prompt_key(record: dict) -> str:
+    """What the model is shown (user turn + offered tool names), as a comparable string."""
+    return json.dumps([record["messages"][0]["content"], [t["function"]["name"] for t in record["tools"]]])
+
+
+def _bucket(record: dict) -> str:
+    h = int.from_bytes(hashlib.sha256(record["messages"][0]["content"].encode()).digest()[:8], "big")
+    return "heldout" if h % HELDOUT_BUCKETS == 0 else "train"
+
+
+def generate_record(index: int, seed: int, split: str, schemas: TaskSchemas) -> dict:
+    """Record `index` of stream (`seed`, `split`): draws until the user turn lies in `split`'s bucket."""
+    if split not in SPLITS:
+        raise ValueError(f"tool_task: split must be one of {SPLITS}, got {split!r}")
+    rng = random.Random(f"clover-tool-task:{seed}:{split}:{index}")
+    while True:
+        rec = _draw(rng, schemas)
+        if _bucket(rec) == split:
+            return rec
+
+
+def generate_records(n: int, seed: int, split: str, schemas: TaskSchemas) -> list[dict]:
+    return [generate_record(i, seed, split, schemas) for i in range(n)]
+
+
+def assert_disjoint(train: Sequence[dict], heldout: Sequence[dict]) -> None:
+    """AssertionError naming a user turn that both lists show (the splits must never share one)."""
+    seen = {r["messages"][0]["content"] for r in train}
+    for r in heldout:
+        assert r["messages"][0]["content"] not in seen, \
+            f"tool_task: held-out user turn also in train: {r['messages'][0]['content']!r}"
+
+
+def write_jsonl(path: str | Path, records: Sequence[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bfcl", required=True, help="BFCL question file (e.g. .../bfcl/BFCL_v4_simple_python.json)")
+    ap.add_argument("--max-functions", type=int, default=32)
+    ap.add_argument("--max-values", type=int, default=256)
+    ap.add_argument("--split", choices=SPLITS, default="heldout")
+    ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    schemas = load_schemas(a.bfcl, a.max_functions, a.max_values)
+    print(write_jsonl(a.out, generate_records(a.n, a.seed, a.split, schemas)))
+
+
+if __name__ == "__main__":
+    main()

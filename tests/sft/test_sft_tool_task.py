@@ -1,0 +1,103 @@
+"""The read-from-the-prompt tool-call task (sft.data.tool_task) on the real BFCL schemas of
+../shared/data: determinism, disjoint splits, every argument value readable from the user turn
+(copied, or a number word transformed), the scenario mix, and the `tool_task` source format."""
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from clover_jax.yaml_config import ConfigError
+from sft.data import tool_task as tt
+from sft.data.config import DataConfig, SourceConfig
+from sft.data.sources import load_source
+
+BFCL = Path(__file__).resolve().parents[3] / "shared" / "data" / "bfcl" / "BFCL_v4_simple_python.json"
+WORDS = "zero one two three four five six seven eight nine ten eleven twelve".split()
+
+
+@pytest.fixture(scope="module")
+def schemas():
+    return tt.load_schemas(str(BFCL), 32, 256)
+
+
+def test_schemas_are_real_bfcl_functions_and_answer_values(schemas):
+    raw = {}  # first schema of each name (BFCL reuses names with other parameters)
+    for line in BFCL.read_text().splitlines():
+        for f in json.loads(line)["function"] if line.strip() else []:
+            raw.setdefault(f["name"], f)
+    assert len(schemas.tools) == 32 and len(schemas.values) == 256
+    for t in schemas.tools:
+        fn = t["function"]
+        src = raw[fn["name"]]["parameters"]
+        assert fn["parameters"]["required"] == src["required"] and 1 <= len(src["required"]) <= 3
+        assert all(fn["parameters"]["properties"][k]["type"] == src["properties"][k]["type"]
+                   in ("string", "integer", "boolean") for k in src["required"])
+    answers = "".join(p.read_text() for p in (BFCL.parent / "possible_answer").glob("*.json"))
+    assert all(json.dumps(v) in answers for v in schemas.values[::16])  # values are answers' strings
+
+
+def _said(value):
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return WORDS[value] if value <= 12 else str(value)  # 0-12 are said as words
+    return value
+
+
+def test_records_are_deterministic_and_answers_are_read_from_the_user_turn(schemas):
+    recs = tt.generate_records(400, 3, "train", schemas)
+    assert recs == tt.generate_records(400, 3, "train", schemas)
+    assert recs[:50] == tt.generate_records(50, 3, "train", schemas)
+    assert recs != tt.generate_records(400, 4, "train", schemas)
+    kinds = Counter()
+    for r in recs:
+        user, answer = r["messages"][0]["content"], r["messages"][1]
+        offered = {t["function"]["name"] for t in r["tools"]}
+        calls = [c["function"] for c in answer.get("tool_calls", [])]
+        kinds[len(calls)] += 1
+        if not calls:
+            assert answer["content"]
+            continue
+        for c in calls:
+            assert c["name"] in offered and c["name"].replace("_", " ").replace(".", " ") in user
+            for k, v in c["arguments"].items():
+                said = _said(v)
+                if said is None:  # boolean: "with x" / "without x"
+                    assert f"{'with' if v else 'without'} {k.replace('_', ' ')}" in user
+                else:
+                    assert f"{k.replace('_', ' ')} {said}" in user, (k, v, user)
+    # 50 / 30 / 20 single / two-call / no-call
+    assert 0.4 < kinds[1] / 400 < 0.6 and 0.2 < kinds[2] / 400 < 0.4 and 0.12 < kinds[0] / 400 < 0.28
+    assert any(w in r["messages"][0]["content"].split() for r in recs for w in WORDS[:13])  # a transform
+
+
+def test_splits_are_disjoint_and_the_assertion_names_a_shared_turn(schemas):
+    train = tt.generate_records(2000, 0, "train", schemas)
+    held = tt.generate_records(200, 0, "heldout", schemas)
+    tt.assert_disjoint(train, held)
+    # by construction: the user turn's hash picks the split (recomputed here), 1 in HELDOUT_BUCKETS held out
+    bucket = lambda r: int.from_bytes(hashlib.sha256(r["messages"][0]["content"].encode()).digest()[:8], "big")  # noqa: E731
+    assert all(bucket(r) % tt.HELDOUT_BUCKETS == 0 for r in held)
+    assert all(bucket(r) % tt.HELDOUT_BUCKETS != 0 for r in train)
+    assert len({r["messages"][0]["content"] for r in held}) > 190  # varied, small talk included
+    with pytest.raises(AssertionError, match="held-out user turn also in train"):
+        tt.assert_disjoint(train, held[:3] + train[5:6])
+    with pytest.raises(ValueError, match="split must be one of"):
+        tt.generate_record(0, 0, "test", schemas)
+
+
+def test_tool_task_source_format(tmp_path):
+    cfg = DataConfig(eval_fraction=0.0)
+    src = SourceConfig(name="task", format="tool_task", path=str(BFCL),
+                       options={"n_records": 20, "seed": 1, "split": "heldout"})
+    loaded = load_source(src, cfg)
+    assert [r for r, _ in loaded.train] == tt.generate_records(20, 1, "heldout", tt.load_schemas(str(BFCL)))
+    with pytest.raises(ConfigError, match="set path, not hf"):
+        SourceConfig(name="task", format="tool_task", options={"n_records": 5})
+    with pytest.raises(ConfigError, match="options.split: expected train or heldout"):
+        SourceConfig(name="task", format="tool_task", path=str(BFCL), options={"split": "eval"})
+    with pytest.raises(ConfigError, match="file not found"):
+        load_source(SourceConfig(name="task", format="tool_task", path=str(tmp_path / "no.json")), cfg)
