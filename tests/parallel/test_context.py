@@ -16,7 +16,7 @@ from clover_jax.config import get_preset
 from clover_jax.model.clover_model import abstract_model, create_model, model_from_params, model_to_params, shift_predictions
 from clover_jax.parallel import sharding as sh
 from clover_jax.parallel.context import check_context_split
-from tests.model.parity_utils import FP32_REL, assert_rel_close
+from tests.model.parity_utils import FAST_COMPILE, FP32_REL, assert_rel_close
 
 
 def test_length_rule_shards_rows_into_contiguous_pieces():
@@ -59,9 +59,6 @@ CFG = get_preset("tiny").replace(num_hidden_layers=2, layer_types=("linear_atten
                                  moe_impl="dense", mode="block", block_size=4, mask_token_id=2, gdn_chunk_size=4,
                                  num_experts_per_tok=8)  # every expert: routing weights continuous in the params
 STEPS, LR = 3, 0.2  # plain SGD: a gradient error shows up in the next step's loss, never normalised away
-#: XLA's CPU backend at optimisation level 0: the same HLO ops in fp32 (HIGHEST), about half the
-#: compile time of these programs (compiling is nearly all of this file's cost)
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 @pytest.fixture(scope="module")
