@@ -60,4 +60,4 @@ def test_context_attention_checks_the_split():
     mesh = jax.make_mesh((1, 8), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="multiple of block_size 16"):
         fast_jit(lambda q, k, v: context_stream_attention(q, k, v, jnp.asarray(SEG), stream="noisy",
-                                                         block_size=16))(q, k, v)
+                                                          block_size=16))(q, k, v)

@@ -108,7 +108,7 @@ def test_context_chunk_gdn_gradients(context):
     with jax.set_mesh(mesh):
         args = _place(mesh, q, k, v, g, beta, init)
         got = fast_jit(jax.grad(_loss(lambda *a: context_chunk_gated_delta_rule(*a[:5], initial_state=a[5], **kw)),
-                               argn))(*args)
+                                argn))(*args)
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
         assert_rel_close(a, b, FP32_REL, f"d{name}, context {context}")
 
@@ -146,7 +146,8 @@ def test_context_block_gdn_without_initial_state():
     want = fast_jit(lambda *a: block_gated_delta_rule_ref(*a, **kw))(q, k, v, g, beta, qn, kn, vn, sc)
     mesh = _mesh(4)
     with jax.set_mesh(mesh):
-        got = fast_jit(lambda *a: context_block_gated_delta_rule(*a, **kw))(*_place(mesh, q, k, v, g, beta, qn, kn, vn, sc))
+        placed = _place(mesh, q, k, v, g, beta, qn, kn, vn, sc)
+        got = fast_jit(lambda *a: context_block_gated_delta_rule(*a, **kw))(*placed)
     for name, a, b in zip(("o_clean", "o_noisy", "final"), got, want):
         assert_rel_close(a, b, FP32_REL, name)
 

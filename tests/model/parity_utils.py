@@ -134,8 +134,8 @@ def to_torch(x: Any) -> Any:
 
 
 __all__ = [
-    "FP32_REL", "assert_rel_close", "hf_causal_mask", "hf_position_embeddings", "our_attention_ctx", "our_gdn_ctx",
-    "our_layer", "our_layer_ctx", "our_moe_ctx", "rel_err", "to_torch",
+    "FAST_COMPILE", "FP32_REL", "assert_rel_close", "fast_jit", "hf_causal_mask", "hf_position_embeddings",
+    "our_attention_ctx", "our_gdn_ctx", "our_layer", "our_layer_ctx", "our_moe_ctx", "rel_err", "to_torch",
 ]
 
 

@@ -13,7 +13,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from clover_jax.config import get_preset
-from clover_jax.model.clover_model import abstract_model, create_model, model_from_params, model_to_params, shift_predictions
+from clover_jax.model.clover_model import (
+    abstract_model, create_model, model_from_params, model_to_params, shift_predictions,
+)
 from clover_jax.parallel import sharding as sh
 from clover_jax.parallel.context import check_context_split
 from tests.model.parity_utils import FAST_COMPILE, FP32_REL, assert_rel_close
@@ -149,7 +151,8 @@ def test_model_training_with_context_equals_single_device(params, reference, mes
     expert (CFG): with a smaller top-k that round-off flips a near-tie expert choice of a token and
     the loss jumps (1e-4 measured at step 2 with top-2)."""
     ref_params, (ref_loss, ref_ar, ref_bd, ref_grads) = reference(length, block)
-    _, (loss, ar, bd, grads) = _train(params, _batches(length, block), block, sh.make_mesh(sh.MeshConfig(**mesh_shape)))
+    mesh = sh.make_mesh(sh.MeshConfig(**mesh_shape))
+    _, (loss, ar, bd, grads) = _train(params, _batches(length, block), block, mesh)
     moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params)))
     assert moved > 1e-2, "the SGD steps must move the params (else later losses check nothing new)"
     for i in range(STEPS):
