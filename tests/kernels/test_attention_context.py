@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.attention_context import context_stream_attention
 from pallas_kernels.attention_reference import clean_attention_ref, noisy_attention_ref
-from tests.model.parity_utils import FP32_REL, assert_rel_close
+from tests.model.parity_utils import FP32_REL, assert_rel_close, fast_jit
 
 B, T, H, K, D = 2, 64, 4, 2, 8
 # row 0: documents crossing the shard boundaries of context 2, 4 and 8, a pad run, an id reused;
@@ -29,7 +29,7 @@ def _vg(fn, q, k, v, w):
     def f(q, k, v):
         out = fn(q, k, v)
         return jnp.sum(jnp.sin(out) * w), out
-    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (_, out), grads = fast_jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return out, grads
 
 
@@ -59,5 +59,5 @@ def test_context_attention_checks_the_split():
     q, k, v, _ = _inputs("noisy")
     mesh = jax.make_mesh((1, 8), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="multiple of block_size 16"):
-        jax.jit(lambda q, k, v: context_stream_attention(q, k, v, jnp.asarray(SEG), stream="noisy",
-                                                         block_size=16))(q, k, v)
+        fast_jit(lambda q, k, v: context_stream_attention(q, k, v, jnp.asarray(SEG), stream="noisy",
+                                                          block_size=16))(q, k, v)

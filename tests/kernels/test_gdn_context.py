@@ -15,7 +15,7 @@ from pallas_kernels import block_gated_delta_rule_ref, chunk_gated_delta_rule_re
 from pallas_kernels.gdn_context import (
     augmented_sweep, context_block_gated_delta_rule, context_chunk_gated_delta_rule, context_size,
 )
-from tests.model.parity_utils import FP32_REL, assert_rel_close
+from tests.model.parity_utils import FP32_REL, assert_rel_close, fast_jit
 
 B, T, H, DK, DV = 2, 32, 2, 8, 6
 
@@ -78,12 +78,12 @@ def test_context_chunk_gdn_matches_one_device(context, with_init):
     init = init if with_init else None
     seg = _segments()
     kw = dict(segment_ids=seg, chunk_size=4)
-    o_ref, fin_ref = jax.jit(lambda *a: chunk_gated_delta_rule_ref(*a, initial_state=init, **kw))(q, k, v, g, beta)
+    o_ref, fin_ref = fast_jit(lambda *a: chunk_gated_delta_rule_ref(*a, initial_state=init, **kw))(q, k, v, g, beta)
     mesh = _mesh(context)
     with jax.set_mesh(mesh):
         assert context_size() == context
         args = _place(mesh, q, k, v, g, beta)
-        o, fin = jax.jit(lambda *a: context_chunk_gated_delta_rule(*a, initial_state=init, **kw))(*args)
+        o, fin = fast_jit(lambda *a: context_chunk_gated_delta_rule(*a, initial_state=init, **kw))(*args)
     assert_rel_close(o, o_ref, FP32_REL, f"o, context {context}")
     assert_rel_close(fin, fin_ref, FP32_REL, f"final state, context {context}")
 
@@ -102,13 +102,13 @@ def test_context_chunk_gdn_gradients(context):
     seg = _segments()
     kw = dict(segment_ids=seg, chunk_size=4)
     argn = tuple(range(6))
-    want = jax.jit(jax.grad(_loss(lambda *a: chunk_gated_delta_rule_ref(*a[:5], initial_state=a[5], **kw)), argn))(
+    want = fast_jit(jax.grad(_loss(lambda *a: chunk_gated_delta_rule_ref(*a[:5], initial_state=a[5], **kw)), argn))(
         q, k, v, g, beta, init)
     mesh = _mesh(context)
     with jax.set_mesh(mesh):
         args = _place(mesh, q, k, v, g, beta, init)
-        got = jax.jit(jax.grad(_loss(lambda *a: context_chunk_gated_delta_rule(*a[:5], initial_state=a[5], **kw)),
-                               argn))(*args)
+        got = fast_jit(jax.grad(_loss(lambda *a: context_chunk_gated_delta_rule(*a[:5], initial_state=a[5], **kw)),
+                                argn))(*args)
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
         assert_rel_close(a, b, FP32_REL, f"d{name}, context {context}")
 
@@ -122,14 +122,14 @@ def test_context_block_gdn_matches_one_device(context, block, chunk):
     ref = lambda *a: block_gated_delta_rule_ref(*a[:9], initial_state=a[9], **kw)  # noqa: E731
     ctx = lambda *a: context_block_gated_delta_rule(*a[:9], initial_state=a[9], **kw)  # noqa: E731
     args = (q, k, v, g, beta, qn, kn, vn, sc, init)
-    want = jax.jit(ref)(*args)
+    want = fast_jit(ref)(*args)
     argn = tuple(range(10))
-    want_g = jax.jit(jax.grad(_loss(ref), argn))(*args)
+    want_g = fast_jit(jax.grad(_loss(ref), argn))(*args)
     mesh = _mesh(context)
     with jax.set_mesh(mesh):
         placed = _place(mesh, *args)
-        got = jax.jit(ctx)(*placed)
-        got_g = jax.jit(jax.grad(_loss(ctx), argn))(*placed)
+        got = fast_jit(ctx)(*placed)
+        got_g = fast_jit(jax.grad(_loss(ctx), argn))(*placed)
     for name, a, b in zip(("o_clean", "o_noisy", "final"), got, want):
         assert_rel_close(a, b, FP32_REL, f"{name}, context {context}")
     names = ("q", "k", "v", "g", "beta", "q_noisy", "k_noisy", "v_noisy", "scalars", "initial_state")
@@ -143,10 +143,11 @@ def test_context_block_gdn_without_initial_state():
     (q, k, v, g, beta), (qn, kn, vn, sc), _ = _inputs(3)
     seg = _segments()
     kw = dict(block_size=4, segment_ids=seg, chunk_size=4)
-    want = jax.jit(lambda *a: block_gated_delta_rule_ref(*a, **kw))(q, k, v, g, beta, qn, kn, vn, sc)
+    want = fast_jit(lambda *a: block_gated_delta_rule_ref(*a, **kw))(q, k, v, g, beta, qn, kn, vn, sc)
     mesh = _mesh(4)
     with jax.set_mesh(mesh):
-        got = jax.jit(lambda *a: context_block_gated_delta_rule(*a, **kw))(*_place(mesh, q, k, v, g, beta, qn, kn, vn, sc))
+        placed = _place(mesh, q, k, v, g, beta, qn, kn, vn, sc)
+        got = fast_jit(lambda *a: context_block_gated_delta_rule(*a, **kw))(*placed)
     for name, a, b in zip(("o_clean", "o_noisy", "final"), got, want):
         assert_rel_close(a, b, FP32_REL, name)
 

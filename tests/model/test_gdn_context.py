@@ -12,7 +12,7 @@ from clover_jax.config import get_preset
 from clover_jax.model.clover_model import NO_SEGMENT
 from clover_jax.model.gdn import GatedDeltaNet
 from clover_jax.parallel import sharding as sh
-from tests.model.parity_utils import FP32_REL, assert_rel_close
+from tests.model.parity_utils import FAST_COMPILE, FP32_REL, assert_rel_close
 
 CFG = get_preset("tiny").replace(mode="block", block_size=4, gdn_chunk_size=4)
 B, T = 2, 32
@@ -44,9 +44,10 @@ def _run(fn, layer, x, seg, mesh=None):
 
     step = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
     if mesh is None:
-        return step(state, x)
+        return step.lower(state, x).compile(compiler_options=FAST_COMPILE)(state, x)
+    x = jax.device_put(x, sh.batch_sharding(mesh, shape=x.shape))
     with sh.use_sharding(mesh):
-        return step(state, jax.device_put(x, sh.batch_sharding(mesh, shape=x.shape)))
+        return step.lower(state, x).compile(compiler_options=FAST_COMPILE)(state, x)
 
 
 def _check(fn, width):

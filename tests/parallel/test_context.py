@@ -9,12 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from clover_jax.config import get_preset
-from clover_jax.model.clover_model import create_model, model_from_params, model_to_params, shift_predictions
+from clover_jax.model.clover_model import (
+    abstract_model, create_model, model_from_params, model_to_params, shift_predictions,
+)
 from clover_jax.parallel import sharding as sh
 from clover_jax.parallel.context import check_context_split
-from tests.model.parity_utils import FP32_REL, assert_rel_close
+from tests.model.parity_utils import FAST_COMPILE, FP32_REL, assert_rel_close
 
 
 def test_length_rule_shards_rows_into_contiguous_pieces():
@@ -50,23 +54,25 @@ def test_context_split_validation_names_the_keys():
 
 
 # ---------------------------------------------------------------------------------------------
-# the whole model with the row's sequence sharded over `context` equals the one-device run
+# the whole model with the row's sequence sharded over `context` equals the one-device run, over a
+# short training run: one compiled program per mesh (and one reference per length and block size)
 
 CFG = get_preset("tiny").replace(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
-                                 moe_impl="dense", mode="block", block_size=4, mask_token_id=2, gdn_chunk_size=4)
+                                 moe_impl="dense", mode="block", block_size=4, mask_token_id=2, gdn_chunk_size=4,
+                                 num_experts_per_tok=8)  # every expert: routing weights continuous in the params
+STEPS, LR = 3, 0.2  # plain SGD: a gradient error shows up in the next step's loss, never normalised away
 
 
-def _params(seed: int = 0):
-    """Every parameter randomised (norms, zero-init right conv taps and bd scalars included)."""
-    model = create_model(CFG, seed=seed)
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    nnx.update(model, jax.tree.unflatten(treedef, [l + 0.1 * jax.random.normal(k, l.shape) for l, k in zip(leaves, keys)]))
-    return model_to_params(model)
+@pytest.fixture(scope="module")
+def params():
+    """Every parameter randomised (norms, zero-init right conv taps and bd scalars included). The
+    init runs as one compiled program (eager init costs a compile per op), the noise in numpy."""
+    init = jax.jit(lambda: model_to_params(create_model(CFG, seed=0))).lower().compile(compiler_options=FAST_COMPILE)
+    rs = np.random.RandomState(1)
+    return jax.tree.map(lambda w: jnp.asarray(np.asarray(w) + 0.1 * rs.normal(size=w.shape).astype(np.float32)), init())
 
 
-def _batch(length: int, block: int, seed: int = 0):
+def _batch(length: int, block: int, seed: int):
     """4 rows: documents on the block grid that cross shard boundaries, pads (segment 0) between and
     after documents, a document starting exactly at a shard boundary (slot length / 2), a reused id;
     a third of the noisy tokens masked."""
@@ -78,13 +84,20 @@ def _batch(length: int, block: int, seed: int = 0):
     seg[2, :block], seg[2, block:2 * block], seg[2, 2 * block:] = 1, 0, 1  # pad run, then id 1 again
     ids = rs.randint(3, CFG.vocab_size, seg.shape)
     noisy = np.where(rs.rand(*seg.shape) < 0.35, CFG.mask_token_id, ids)
-    return {"ids": jnp.asarray(ids), "noisy": jnp.asarray(noisy), "seg": jnp.asarray(seg)}
+    return {"ids": ids, "noisy": noisy, "seg": seg}
 
 
-def _step(params, batch, block: int, mesh=None):
-    """(loss, (AR logits of the plain forward, block logits)), grads of next-token CE on the clean
-    stream + masked-token CE of the block predictions + 0.01 * lb loss."""
-    graphdef, _ = nnx.split(model_from_params(CFG, params))
+def _batches(length: int, block: int):
+    """STEPS batches stacked on a leading axis (new ids and noise every step, the same layout)."""
+    each = [_batch(length, block, seed) for seed in range(STEPS)]
+    return {k: jnp.asarray(np.stack([b[k] for b in each])) for k in each[0]}
+
+
+def _train(params, batches, block: int, mesh=None):
+    """STEPS SGD steps in one program: per step (loss, AR logits of the plain forward, block logits,
+    gradients), stacked, and the final params. Loss = next-token CE of the clean stream + masked-token
+    CE of the block predictions + 0.01 * lb loss."""
+    graphdef, _ = nnx.split(abstract_model(CFG))
 
     def loss_fn(p, b):
         model = nnx.merge(graphdef, p)
@@ -96,44 +109,72 @@ def _step(params, batch, block: int, mesh=None):
         ce = jnp.mean(nll(model.logits(h_c)[:, :-1], b["ids"][:, 1:])) + jnp.sum(nll(bd, b["ids"]) * masked) / jnp.sum(masked)
         return ce + 0.01 * aux["lb_loss"], (ar, bd)
 
-    fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    def step(p, b):
+        (loss, (ar, bd)), g = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
+        return jax.tree.map(lambda w, d: w - LR * d, p, g), (loss, ar, bd, g)
+
+    run = lambda p, bs: lax.scan(step, p, bs)  # noqa: E731
     if mesh is None:
-        return fn(params, batch)
-    model = sh.shard_params(model_from_params(CFG, params), mesh)
+        return jax.jit(run).lower(params, batches).compile(compiler_options=FAST_COMPILE)(params, batches)
+    params = model_to_params(sh.shard_params(model_from_params(CFG, params), mesh))
+    spec = sh.batch_sharding(mesh, shape=batches["ids"].shape[1:]).spec
+    assert spec[1] == "context"
+    batches = {k: jax.device_put(v, NamedSharding(mesh, P(None, *spec))) for k, v in batches.items()}
     with sh.use_sharding(mesh):
-        batch = {k: jax.device_put(v, sh.batch_sharding(mesh, shape=v.shape)) for k, v in batch.items()}
-        assert batch["ids"].sharding.spec[1] == "context"
-        return fn(model_to_params(model), batch)
+        lowered = jax.jit(run).lower(params, batches)
+    return lowered.compile(compiler_options=FAST_COMPILE)(params, batches)
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    """{(length, block): the one-device run}, computed once per key."""
+    runs = {}
+
+    def get(length: int, block: int):
+        if (length, block) not in runs:
+            runs[length, block] = _train(params, _batches(length, block), block)
+        return runs[length, block]
+    return get
 
 
 @pytest.mark.parametrize("mesh_shape,length,block", [
-    (dict(fsdp=2, context=4), 32, 4),
-    (dict(fsdp=2, expert=2, context=2), 64, 32),
+    (dict(fsdp=1, context=8), 64, 4),  # shards of 8 tokens: 2 blocks, 2 GDN chunks, the conv halo from the neighbour
+    (dict(fsdp=2, context=4), 64, 4),
+    (dict(fsdp=2, expert=2, context=2), 64, 32),  # one 32-token block per shard
 ], ids=lambda v: str(v))
-def test_model_with_context_equals_single_device(mesh_shape, length, block):
-    """Loss, AR logits, block logits and every gradient: fp32, 1e-5 of the reference's max magnitude
-    (gradients: of the whole tree's, as in test_sharding)."""
-    params, batch = _params(), _batch(length, block)
-    (ref_loss, (ref_ar, ref_bd)), ref_grads = _step(params, batch, block)
-    (loss, (ar, bd)), grads = _step(params, batch, block, sh.make_mesh(sh.MeshConfig(**mesh_shape)))
-    assert_rel_close(loss, ref_loss, FP32_REL, "loss")
-    assert_rel_close(ar, ref_ar, FP32_REL, "AR logits")
-    assert_rel_close(bd, ref_bd, FP32_REL, "block logits")
-    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads))
-    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
-    for (path, g), r in zip(flat, jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(g, r, rtol=0, atol=FP32_REL * scale, err_msg=jax.tree_util.keystr(path))
+def test_model_training_with_context_equals_single_device(params, reference, mesh_shape, length, block):
+    """STEPS training steps. Every step: the same loss; the first: AR logits, block logits and every
+    gradient too (fp32, 1e-5 of the reference's max magnitude; gradients: of the whole tree's, as in
+    test_sharding). Later steps' logits are not compared element by element: after a step the two
+    runs' params differ by fp32 round-off (~1e-6 of the gradient scale), which the next step grows
+    to ~1e-5 in single logits, while the loss (a mean) stays within 1e-7. The router picks every
+    expert (CFG): with a smaller top-k that round-off flips a near-tie expert choice of a token and
+    the loss jumps (1e-4 measured at step 2 with top-2)."""
+    ref_params, (ref_loss, ref_ar, ref_bd, ref_grads) = reference(length, block)
+    mesh = sh.make_mesh(sh.MeshConfig(**mesh_shape))
+    _, (loss, ar, bd, grads) = _train(params, _batches(length, block), block, mesh)
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params)))
+    assert moved > 1e-2, "the SGD steps must move the params (else later losses check nothing new)"
+    for i in range(STEPS):
+        assert_rel_close(loss[i], ref_loss[i], FP32_REL, f"step {i} loss")
+    assert_rel_close(ar[0], ref_ar[0], FP32_REL, "AR logits")
+    assert_rel_close(bd[0], ref_bd[0], FP32_REL, "block logits")
+    scale = max(float(jnp.max(jnp.abs(g[0]))) for g in jax.tree.leaves(ref_grads))
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g[0], r[0], rtol=0, atol=FP32_REL * scale, err_msg=jax.tree_util.keystr(path))
 
 
 def test_sft_step_with_context_compiles_for_tpu():
-    """TPU AOT (libtpu on this CPU host) of the recipe's SFT step at small widths on v5p-8 with
-    (fsdp 2, context 2): it compiles and fits, and the program holds the context exchanges (the
-    conv halo and entry-segment `ppermute`s, the K/V and shard-map all-gathers). About 4 min on 2 cores."""
+    """TPU AOT (libtpu on this CPU host) of the recipe's SFT step on v5p-8 with (fsdp 2, context 2),
+    at the smallest widths that keep both mixers (the `tiny` preset, 2 layers, 2 rows x 64 tokens:
+    one 32-block and two GDN chunks per shard): it compiles and fits, and the program holds the
+    context exchanges (the conv halo and entry-segment `ppermute`s, the K/V and shard-map
+    all-gathers). It only has to prove the context step compiles for a TPU topology."""
     import launch
 
-    recipe = ["model.preset=small-cpu", "model.num_hidden_layers=2", "model.layer_types=[linear_attention,full_attention]",
-              "data.seq_len=128", "data.batch_size=4", "train.micro_batches=1", "mesh.fsdp=2", "mesh.expert=1",
-              "mesh.context=2", "loss.chunk_tokens=256"]
+    recipe = ["model.preset=tiny", "model.num_hidden_layers=2", "model.layer_types=[linear_attention,full_attention]",
+              "data.seq_len=64", "data.batch_size=2", "train.micro_batches=1", "mesh.fsdp=2", "mesh.expert=1",
+              "mesh.context=2", "loss.chunk_tokens=128"]
     (p,) = launch._sft_compile_plans("configs/agent_mix.yaml", recipe, ["v5p-8"])
     assert p.compiled and p.fits and p.mesh_shape["context"] == 2
     hlo = p.executable.as_text()
