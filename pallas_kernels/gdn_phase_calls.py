@@ -41,6 +41,12 @@ f32 = jnp.float32
 GROUP_TOKENS = 256
 
 
+def _key_head(h, rep: int):
+    """The key head of value head h (h // rep for h >= 0). Truncating `lax.div`, not `//`: Python's
+    floor division lowers through `sign`, whose Mosaic rule asks for the local TPU's generation and
+    so fails in an AOT compile whose default device is a CPU."""
+    return jax.lax.div(h, jnp.int32(rep))
+
 def group_size(N: int, C: int) -> int:
     """G: the largest divisor of N with G * C <= GROUP_TOKENS (at least 1)."""
     return max(g for g in range(1, N + 1) if N % g == 0 and (g == 1 or g * C <= GROUP_TOKENS))
@@ -111,7 +117,7 @@ def intra_call(k, v, aux, *, K: int, cfg: KernelConfig, interpret: bool, T_in=No
     """Phase a. Returns (T [B,H,N,C,C] fp32, w [B,Tp,H*K], u [B,Tp,H*V]) or, with ``T_in``, (w, u)."""
     B, Tp, H, HK, V, C, N, rep = _shape(k, v, aux, K)
     G = group_size(N, C)
-    kq = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, h // rep))
+    kq = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, _key_head(h, rep)))
     kw = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, h))
     vw = pl.BlockSpec((None, G * C, V), lambda b, h, n: (b, n, h))
     ax = pl.BlockSpec((None, None, G, AUX, C), lambda b, h, n: (b, h, n, 0, 0))
@@ -162,7 +168,7 @@ def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, s0_ref, *refs, cfg, with_
 
 def _sweep_specs(H, rep, C, K, V, rev=None):
     t = (lambda n: n) if rev is None else rev
-    kq = pl.BlockSpec((None, C, K), lambda b, h, n: (b, t(n), h // rep))
+    kq = pl.BlockSpec((None, C, K), lambda b, h, n: (b, t(n), _key_head(h, rep)))
     kw = pl.BlockSpec((None, C, K), lambda b, h, n: (b, t(n), h))
     vw = pl.BlockSpec((None, C, V), lambda b, h, n: (b, t(n), h))
     ax = pl.BlockSpec((None, None, None, AUX, C), lambda b, h, n: (b, h, t(n), 0, 0))
