@@ -161,9 +161,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
     # libtpu lockfile (a second planner or test on the machine would otherwise abort)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from clover_jax.yaml_config import load_yaml_tree
+    from clover_jax.yaml_config import ConfigError, load_yaml_tree
     from train.aot import PlanError, check, describe
 
+    # the outputs' folders are checked before a compile that can take half an hour, not after it
+    for flag, out in (("--json", args.json), ("--hlo", args.hlo)):
+        if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            raise ConfigError(f"{flag} {out}: the folder {os.path.dirname(os.path.abspath(out))} does not exist")
     topologies = args.topology.split(",") if args.topology else None
     tree = load_yaml_tree(args.config) if args.config else {}
     if any(k in tree for k in SFT_SECTIONS):
@@ -197,7 +201,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if args.hlo:
         import gzip
 
-        for p in (p for p in plans if p.executable is not None):
+        for p in plans:
+            if p.executable is None:
+                print(f"no HLO for the {p.topology.name} plan: XLA refused to compile it", flush=True)
+                continue
             # the optimized HLO behind the numbers, to answer "which op moves these bytes" later
             path = f"{args.hlo}_{p.topology.name.replace(':', '_')}.hlo.txt.gz"
             with gzip.open(path, "wt") as f:

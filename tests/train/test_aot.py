@@ -192,3 +192,15 @@ def test_cli_writes_the_plan_json_and_the_optimized_hlo(tmp_path, capsys):
     with gzip.open(tmp_path / "plan_v5litepod-4.hlo.txt.gz", "rt") as f:
         hlo = f.read()
     assert hlo.startswith("HloModule") and ("all-gather" in hlo) == (d["hlo_cost"]["collective_bytes"]["all-gather"] > 0)
+
+
+def test_cli_refuses_an_output_folder_that_does_not_exist_before_compiling(tmp_path, capsys):
+    """A wrong `--hlo` / `--json` folder is named at once (exit 1), not after the compile."""
+    import launch
+
+    for flag in ("--json", "--hlo"):
+        rc = launch.main(["compile", "--topology", "v5litepod-4", flag, str(tmp_path / "missing" / "plan"),
+                          "model.preset=tiny"])
+        err = capsys.readouterr()
+        assert rc == 1 and f"{flag} {tmp_path / 'missing' / 'plan'}: the folder" in err.err, err
+        assert "AOT plan" not in err.out  # nothing was compiled
