@@ -21,7 +21,11 @@ FLOPs (a matmul of m x k by k x n = 2mkn), per token of either stream:
 
 ``model`` = 3 x forward (backward = 2 x forward) is the step's model FLOPs (MFU); ``executed`` adds
 the layer stack's forward once more under ``remat: full`` (recomputed in the backward; the CE's
-custom VJP recomputes nothing).
+custom VJP recomputes nothing), and, when the attention runs as a flash-style kernel (splash on TPU,
+our flash kernel on GPU), the scores its backward recomputes: per visible pair the forward does 2
+matmuls (q k^T, p v) and autodiff's backward 4 (dv, dp, dq, dk), while the kernels' dq pass runs 3
+(q k^T, do v^T, ds k) and their dk/dv pass 4 (q k^T, do v^T, p^T do, ds^T q): 3 more, i.e. 1.5 x
+the attention forward (``attention_recompute``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class StepFlops:
     gdn: float
     lm_head: float
     recompute: float  # the layer stack's forward again (remat full), else 0
+    attention_recompute: float = 0.0  # a flash-style attention backward's recomputed scores, else 0
 
     @property
     def forward(self) -> float:
@@ -55,8 +60,9 @@ class StepFlops:
 
     @property
     def executed(self) -> float:
-        """What the step runs: model FLOPs + the rematerialised forward."""
-        return self.model + self.recompute
+        """What the step runs: model FLOPs + the rematerialised forward + the attention kernels'
+        recomputed scores."""
+        return self.model + self.recompute + self.attention_recompute
 
 
 def _dense_per_token(cfg: ModelConfig) -> tuple[float, float]:
@@ -78,9 +84,11 @@ def _gdn_chunk_flops(c: int, k: int, v: int) -> float:
 
 
 def sft_step_flops(cfg: ModelConfig, *, rows: int, seq_len: int, block_size: int, copies: int = 2,
-                   remat: str = "full") -> StepFlops:
+                   remat: str = "full", flash_backward: bool = False) -> StepFlops:
     """The analytic count of one SFT step of ``rows`` x ``seq_len`` tokens (module docstring).
-    ``remat``: the layer stack's policy; "full" recomputes its forward in the backward."""
+    ``remat``: the layer stack's policy; "full" recomputes its forward in the backward.
+    ``flash_backward``: the attention backward runs as split dq / dk-dv kernels that recompute the
+    scores (``attn_backend`` splash or flash); False for the jnp reference (autodiff saves them)."""
     if seq_len % block_size:
         raise ValueError(f"seq_len {seq_len} is not a multiple of block_size {block_size}")
     n_rows = copies * rows  # noisy rows; each also has its clean stream
@@ -100,4 +108,5 @@ def sft_step_flops(cfg: ModelConfig, *, rows: int, seq_len: int, block_size: int
     lm_head = 2.0 * tokens * cfg.hidden_size * cfg.vocab_size
     layers = dense + attention + gdn
     return StepFlops(dense=dense, attention=attention, gdn=gdn, lm_head=lm_head,
-                     recompute=layers if remat == "full" else 0.0)
+                     recompute=layers if remat == "full" else 0.0,
+                     attention_recompute=1.5 * attention if flash_backward else 0.0)

@@ -30,6 +30,11 @@ def test_counts_by_hand():
     assert f.forward == 120064 and f.model == 3 * 120064
     assert f.executed == 3 * 120064 + (96256 + 5376 + 14336)  # remat full: the layers' forward again
     assert sft_step_flops(CFG, rows=1, seq_len=8, block_size=4, remat="none").executed == 3 * 120064
+    # a flash-style backward (dq kernel: 3 tile matmuls, dk/dv kernel: 4) runs 7 products per visible
+    # pair where autodiff runs 4 (the forward: 2): 3 more = 1.5 x the attention forward, executed only
+    fk = sft_step_flops(CFG, rows=1, seq_len=8, block_size=4, remat="none", flash_backward=True)
+    assert fk.attention_recompute == 2 * 3 * 2 * 4 * 2 * (36 + 48) and fk.model == 3 * 120064  # rows x 3 x 2 D H x pairs
+    assert fk.executed == 3 * 120064 + 8064
 
 
 @pytest.mark.parametrize("t,bs", [(64, 4), (96, 32), (128, 16)])
