@@ -21,7 +21,9 @@ bad types fail naming the key):
     compile:    the AOT section of `launch.py compile` (train.aot), kept verbatim, unused by `sft`
 
 Paths other than source paths (init_from, logging.run_dir, checkpoint.dir, export.dir) are relative
-to the working directory. `checkpoint.dir` null means ``<logging.run_dir>/checkpoints``.
+to the working directory. `checkpoint.dir` null means ``<logging.run_dir>/checkpoints``. Each of
+them and `data_root` may be a URI (``gs://bucket/...``): `sft.remote` stages it through
+`staging_dir` (a local folder).
 
 The model section keeps its ModelConfig overrides apart (`ModelSpec.overrides`), because with
 `init_from` the architecture comes from the checkpoint and only the overrides are ours. SFT trains
@@ -126,6 +128,7 @@ class SFTConfig:
     peak_flops_per_device: float | None = None  # None: a known chip's bf16 peak, else measured (CPU)
     count_flops: bool = True  # XLA's FLOP count of the step for MFU (lowers the unrolled stack once)
     compile: dict[str, Any] = field(default_factory=dict)  # `launch.py compile`'s section; unused here
+    staging_dir: str = "~/.cache/clover_jax/staging"  # local copies of remote inputs / outputs (sft.remote)
 
     def __post_init__(self) -> None:
         if self.loss.weighting == "inverse_t" and self.loss.normalization == "token" and not self.noise.complementary:
@@ -137,7 +140,9 @@ class SFTConfig:
 
     @property
     def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or str(Path(self.logging.run_dir) / "checkpoints")
+        from train.remote import join
+
+        return self.checkpoint.dir or join(self.logging.run_dir, "checkpoints")
 
     def trainer_config(self) -> TrainerConfig:
         return TrainerConfig(train=self.train, optimizer=self.optimizer,
@@ -172,11 +177,13 @@ def _split_model_section(model: Any, where: str) -> dict[str, Any]:
     return spec
 
 
-def _resolve_sources(data: dict[str, Any], root: Path | None) -> dict[str, Any]:
-    """Relative source paths (and `hf.data_files`) joined to `root`."""
+def _resolve_sources(data: dict[str, Any], root: Path | str | None) -> dict[str, Any]:
+    """Relative source paths (and `hf.data_files`) joined to `root` (a local dir or a URI)."""
     if root is None or not isinstance(data.get("sources"), list):
         return data
-    join = lambda p: p if Path(p).is_absolute() else str(root / p)  # noqa: E731
+    from train.remote import is_remote, join as join_path
+
+    join = lambda p: p if Path(p).is_absolute() or is_remote(p) else join_path(str(root), p)  # noqa: E731
     sources = []
     for s in data["sources"]:
         if isinstance(s, dict):
@@ -204,7 +211,10 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
     if root is not None:
         if not isinstance(root, str):
             raise ConfigError(f"{where}: data_root: expected a path string, got {root!r}")
-        root_path = Path(os.path.expandvars(os.path.expanduser(root))).resolve()
+        from train.remote import is_remote
+
+        # a URI stays one: `sft.remote.localize` stages it and maps the sources to the copy
+        root_path = root if is_remote(root) else Path(os.path.expandvars(os.path.expanduser(root))).resolve()
         tree["data_root"] = str(root_path)
         if isinstance(tree.get("data"), dict):
             tree["data"] = _resolve_sources(tree["data"], root_path)

@@ -536,9 +536,11 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
             print_fn: Callable[[str], None] = print) -> SFTResult:
     """The recipe (module docstring). `on_step(step, state, metrics)` / `on_checkpoint(step, state)`
     go to `train.loop.run`."""
+    from sft.remote import localize
     from train.loop import run
 
     t_start = time.perf_counter()
+    cfg, remote_outputs = localize(cfg)  # gs://... inputs staged here, outputs mirrored locally
     setup = prepare(cfg)
     mcfg, run_dir = setup.model_cfg, Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -597,5 +599,6 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
                      f"{summary['eval_loss_last']:.4f}")
         print_fn(line)
     print_fn(f"run dir {run_dir} (metrics.jsonl, summary.json, loss.png); wall {summary['wall_s']:.0f} s")
+    remote_outputs.publish(export=export_dir is not None, print_fn=print_fn)
     return SFTResult(step=res.step, preempted=res.preempted, resumed_from=res.resumed_from, export_dir=export_dir,
                      summary=summary)

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 
 from train.config import CheckpointConfig
 from train.optimizer import path_str
+from train.remote import epath_of, is_remote
 from train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ class Checkpointer:
         if cfg.dir is None:
             raise CheckpointError("checkpoint.dir is not set")
         self.cfg = cfg
-        self.directory = Path(cfg.dir).absolute()
+        # a URI (gs://...) goes to Orbax as an epath: it reads and writes buckets itself
+        self.directory = epath_of(cfg.dir) if is_remote(cfg.dir) else Path(cfg.dir).absolute()
         self.run_config = _json_checked(dict(run_config or {}), "run_config")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, create=True, enable_async_checkpointing=cfg.async_save,
