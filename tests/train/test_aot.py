@@ -102,20 +102,23 @@ def test_layer_stack_applies_the_configured_policy():
 
 
 # The recipe's real SFT step (configs/agent_mix.yaml: two-stream forward, masked-diffusion loss,
-# backward, adamw with bf16 mu, 2-micro-batch accumulation) at small widths: 2 layers of the bench
-# preset (TPU-tile multiples, so layout padding stays small). The 35B compile itself takes minutes
-# on 2 cores (the closing note of issue 5 has its tables); the program's structure is the same.
+# backward, adamw with bf16 mu, micro-batch accumulation, its 4096-token CE chunks) for the slice and
+# row length the recipe targets (v5p-64, seq 8192) at small widths: 2 layers of the bench preset
+# (TPU-tile multiples, so layout padding stays small). The 35B compile itself takes 10-30 minutes on 2
+# cores (README "Compile plans"); the program's structure is the same.
 SMALL_RECIPE = ["model.preset=small-cpu", "model.num_hidden_layers=2",
-                "model.layer_types=[linear_attention,full_attention]", "data.seq_len=128", "data.batch_size=8",
-                "train.micro_batches=2", "mesh.fsdp=2", "mesh.expert=2", "loss.chunk_tokens=256"]
+                "model.layer_types=[linear_attention,full_attention]", "data.seq_len=8192", "data.batch_size=32",
+                "train.micro_batches=2", "mesh.fsdp=8", "mesh.expert=4"]
 
 
-def test_compile_plans_the_recipe_sft_step_for_a_small_slice():
-    """On v5p-8 with (fsdp=2, expert=2): it fits; the argument bytes are the per-chip shards of the
-    fp32 params + adam mu (bf16) / nu (fp32) from the rule table + the batch, up to TPU layout
-    padding; the program holds the real TPU ragged-all-to-all, ragged dots, the megablox tgmm
-    weight gradient and the Pallas (Mosaic) GDN kernels of both streams; its FLOPs agree with the
-    analytic count within 10%."""
+def test_compile_plans_the_recipe_sft_step_for_v5p_64_at_seq_8192():
+    """On v5p-64 (32 chips, fsdp=8 x expert=4) at seq 8192: it fits; the argument bytes are the
+    per-chip shards of the fp32 params + adam mu (bf16) / nu (fp32) from the rule table + the batch,
+    up to TPU layout padding; the program holds the real TPU ragged-all-to-all, ragged dots, the
+    megablox tgmm weight gradient, the Pallas (Mosaic) GDN kernels of both streams and splash
+    attention for both; its FLOPs agree with the analytic count within 10% (at these widths and 8K
+    tokens the attention is a third of the forward, so the splash backward's recomputed scores
+    count: without that term the ratio is 1.23)."""
     from flax import nnx
 
     import launch
@@ -124,21 +127,21 @@ def test_compile_plans_the_recipe_sft_step_for_a_small_slice():
     from sft.config import load_sft_config, model_config_from
     from train.aot import topology_devices
 
-    (p,) = launch._sft_compile_plans("configs/agent_mix.yaml", SMALL_RECIPE, ["v5p-8"])
+    (p,) = launch._sft_compile_plans("configs/agent_mix.yaml", SMALL_RECIPE, ["v5p-64"])
     assert check(p) is p and p.fits and p.compiled
-    assert p.mesh_shape == {"data": 1, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1}
-    assert (p.micro_batches, p.micro_batch, p.seq_len, p.remat) == (2, 4, 128, "full")
+    assert p.mesh_shape == {"data": 1, "fsdp": 8, "expert": 4, "context": 1, "tensor": 1}
+    assert (p.micro_batches, p.micro_batch, p.seq_len, p.remat) == (2, 16, 8192, "full")
     mcfg = model_config_from(load_sft_config("configs/agent_mix.yaml", SMALL_RECIPE).model, None)
     model = abstract_model(mcfg)
-    shard = param_shardings(model, make_mesh(MeshConfig(fsdp=2, expert=2), topology_devices(parse_topology("v5p-8"))))
-    exact = 8 * 128 * (3 * 4 + 1) // 4  # ids, segments, positions (int32), loss mask (bool): rows over 4 chips
+    shard = param_shardings(model, make_mesh(MeshConfig(fsdp=8, expert=4), topology_devices(parse_topology("v5p-64"))))
+    exact = 32 * 8192 * (3 * 4 + 1) // 32  # ids, segments, positions (int32), loss mask (bool): rows over 32 chips
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         node = shard
         for key in path:
             node = node[key]
         exact += (4 + 2 + 4) * int(np.prod(node.shard_shape(var.get_value().shape)))  # fp32 value, bf16 mu, fp32 nu
     assert exact <= p.argument_bytes <= 1.05 * exact, (p.argument_bytes, exact)
-    assert 0 < p.temp_bytes < GiB
+    assert 0 < p.temp_bytes < 8 * GiB
     hlo = p.executable.as_text()
     # the real collective, ragged dots, and the expert weight gradients from the megablox tgmm
     # kernel (JAX's own transpose would be a dense masked product over all local experts)
