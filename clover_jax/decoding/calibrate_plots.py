@@ -1,7 +1,9 @@
 """PNG plots of `clover_jax.decoding.calibrate` (matplotlib, Agg backend, no display needed).
 
-- `quality_vs_speed.png`: quality vs tokens per forward, one curve per block size (points = the
-  thresholds / overrides of that size), the AR baseline as a star;
+- `quality_vs_speed.png`: quality vs tokens per forward, one series per (block size, calibration)
+  (`quality_series`: a colour per block size, a line style per calibration, so the learned-gamma and
+  gamma = 0 points of one size are never one zig-zag line), each series' points ordered and
+  labelled by threshold, the AR baseline as a star;
 - `history_share.png`: mean softmax share of the history unit vs block size, one line per GDN layer
   (only when the sweep recorded it);
 - `loss_vs_t.png`: masked-token loss vs noise level t, one line per block size;
@@ -25,32 +27,63 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+#: axis labels with units, by the sweep's quality metric
+QUALITY_LABELS = {"validity": "tool-call validity (fraction of turns)",
+                  "bfcl_accuracy": "argument accuracy (fraction of turns)",
+                  "exact_match": "exact match (fraction of turns)",
+                  "ar_agreement": "agreement with AR (fraction of tokens)"}
+_STYLES = ("-", "--", ":", "-.")
+
+
+def calibration_label(row: dict[str, Any]) -> str:
+    """The history-unit calibration of a sweep row: "learned" or its overrides ("gamma=0", ...)."""
+    parts = [] if row.get("gamma", "learned") == "learned" else [f"gamma={row['gamma']:g}"]
+    if row.get("alpha_scale", 1.0) != 1.0:
+        parts.append(f"alpha x{row['alpha_scale']:g}")
+    if row.get("beta_shift", 0.0) != 0.0:
+        parts.append(f"beta {row['beta_shift']:+g}")
+    return ", ".join(parts) or "learned"
+
+
+def quality_series(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int, str], list[dict[str, Any]]]:
+    """(mode, block size, sub-block size, calibration label) -> that series' rows ordered by
+    threshold; AR rows are left out (one point, drawn apart)."""
+    series: dict[tuple[str, int, int, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r["mode"] != "ar":
+            series[(r["mode"], r["block_size"], r.get("sub_block_size", 0) or 0, calibration_label(r))].append(r)
+    return {k: sorted(v, key=lambda r: r["threshold"]) for k, v in sorted(series.items())}
+
+
 def write_plots(out: Path, rows: list[dict[str, Any]], loss_rows: list[dict[str, Any]],
                 scalars: list[dict[str, Any]], quality: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     written = []
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    by_size: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        if r["mode"] != "ar":
-            by_size[(r["mode"], r["block_size"])].append(r)
-    for (mode, k), rs in sorted(by_size.items()):
-        rs = sorted(rs, key=lambda r: r["tokens_per_forward"])
-        label = f"block {k}" + ("" if mode == "threshold" else f" ({mode})")
-        ax.plot([r["tokens_per_forward"] for r in rs], [r[quality] for r in rs], "o-", label=label)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = quality_series(rows)
+    sizes = sorted({k[1] for k in series})
+    cals = sorted({k[3] for k in series}, key=lambda c: (c != "learned", c))
+    colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, max(len(sizes), 1)))
+    for (mode, k, sb, cal), rs in series.items():
+        label = f"block {k}" + (f" sub {sb}" if sb else "") + ("" if mode == "threshold" else f" {mode}") + f", {cal}"
+        xs, ys = [r["tokens_per_forward"] for r in rs], [r[quality] for r in rs]
+        ax.plot(xs, ys, _STYLES[cals.index(cal) % len(_STYLES)], marker="o", color=colors[sizes.index(k)], label=label)
+        for r, x, y in zip(rs, xs, ys):
+            ax.annotate(f"{r['threshold']:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6)
     for r in rows:
         if r["mode"] == "ar":
             ax.plot([r["tokens_per_forward"]], [r[quality]], "k*", markersize=12, label="AR greedy")
-    ax.set_xlabel("tokens per forward")
-    ax.set_ylabel(quality)
-    ax.set_title("quality vs speed")
+    ax.set_xlabel("tokens per forward (generated tokens / model calls)")
+    ax.set_ylabel(QUALITY_LABELS.get(quality, quality))
+    ax.set_title("quality vs speed (point labels: commit threshold)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=2)
     written.append(_save(fig, out / "quality_vs_speed.png"))
 
     hist_rows = [r for r in rows if r["mode"] != "ar" and "history_share_L0" in r]
@@ -96,4 +129,4 @@ def write_plots(out: Path, rows: list[dict[str, Any]], loss_rows: list[dict[str,
     return written
 
 
-__all__ = ["write_plots"]
+__all__ = ["QUALITY_LABELS", "calibration_label", "quality_series", "write_plots"]

@@ -123,3 +123,21 @@ def test_quality_metrics_on_hand_made_outputs():
     assert repeated_ngram_rate([1, 2], 3) == 0.0
     assert longest_repeated_run([5, 5, 1, 7, 7, 7, 2]) == 3 and longest_repeated_run([]) == 0
     assert ar_agreement([1, 2, 3], [1, 9, 3, 4]) == 2 / 4 and ar_agreement([], []) == 1.0
+
+
+def test_quality_series_keeps_calibrations_apart_and_orders_by_threshold():
+    """Hand-made sweep rows of one block size, learned gamma and gamma = 0, thresholds out of order:
+    two series (never one zig-zag line), each ordered by threshold; AR rows are not a series."""
+    from clover_jax.decoding.calibrate_plots import calibration_label, quality_series
+
+    def row(th, gamma, tpf):
+        return {"mode": "threshold", "block_size": 32, "sub_block_size": 0, "threshold": th, "gamma": gamma,
+                "alpha_scale": 1.0, "beta_shift": 0.0, "tokens_per_forward": tpf, "validity": 1.0}
+
+    rows = [row(0.99, "learned", 1.5), row(0.8, 0.0, 3.0), row(0.8, "learned", 2.9), row(0.99, 0.0, 1.4),
+            {"mode": "ar", "block_size": 1, "threshold": 0.9, "tokens_per_forward": 1.0, "validity": 1.0}]
+    s = quality_series(rows)
+    assert list(s) == [("threshold", 32, 0, "gamma=0"), ("threshold", 32, 0, "learned")]
+    assert [[r["threshold"] for r in v] for v in s.values()] == [[0.8, 0.99], [0.8, 0.99]]
+    assert [r["tokens_per_forward"] for r in s[("threshold", 32, 0, "learned")]] == [2.9, 1.5]
+    assert calibration_label({"gamma": 0.5, "alpha_scale": 2.0, "beta_shift": -1.0}) == "gamma=0.5, alpha x2, beta -1"
