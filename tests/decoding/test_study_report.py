@@ -1,0 +1,54 @@
+"""The calibration study's arithmetic on hand-made rows (penalty = quality at B' of the model trained
+at B minus the native model's at B'; recovery = the share of it a calibration wins back), and the
+report generator on a tiny run of made-up rows: the numbers it states are the table's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from clover_jax.decoding.study_report import penalty_matrix, recovery, summarize, write_report
+
+# validity of models trained at 8 / 32 and on the mix, decoded at 8 / 32, learned and gamma = 0
+Q = {(8, 8, "learned"): 0.9, (8, 32, "learned"): 0.5, (32, 8, "learned"): 0.2, (32, 32, "learned"): 1.0,
+     ("mix", 8, "learned"): 0.85, ("mix", 32, "learned"): 0.95,
+     (8, 32, 0.0): 0.7, (32, 8, 0.0): 0.2, (8, 8, 0.0): 0.8, (32, 32, 0.0): 0.9}
+
+
+def _rows(threshold=0.9):
+    rows = [{"mode": "threshold", "trained": t, "block_size": d, "threshold": threshold, "gamma": g,
+             "alpha_scale": 1.0, "beta_shift": 0.0, "validity": v, "tokens_per_forward": 1 + d / 16}
+            for (t, d, g), v in Q.items()]
+    rows.append({"mode": "ar", "trained": 32, "block_size": 1, "threshold": threshold, "gamma": "learned",
+                 "validity": 1.0, "tokens_per_forward": 1.0})
+    return rows
+
+
+def test_penalty_and_recovery_by_hand():
+    pen = penalty_matrix(_rows(), "validity", 0.9)
+    assert pen[(8, 8)] == 0 and pen[(32, 32)] == 0
+    assert pen[(8, 32)] == pytest.approx(0.5 - 1.0) and pen[(32, 8)] == pytest.approx(0.2 - 0.9)
+    assert pen[("mix", 8)] == pytest.approx(-0.05) and pen[("mix", 32)] == pytest.approx(-0.05)
+    rec = recovery(_rows(), "validity", 0.9, "gamma=0")
+    # (8 at 32): (0.7 - 0.5) / 0.5 = 40%; (32 at 8): no change = 0%; the mix cells' 0.05 penalties are
+    # kept (>= 0.02) but have no gamma = 0 row; the diagonal never counts
+    assert rec == {(8, 32): pytest.approx(0.4), (32, 8): pytest.approx(0.0)}
+    s = summarize(_rows(), "validity", 0.9)
+    assert s["mean_penalty"] == pytest.approx((-0.5 - 0.7) / 2) and s["worst_penalty"] == pytest.approx(-0.7)
+    assert s["recovery"] == {"gamma=0": pytest.approx(0.2)} and s["mix_mean_vs_native"] == pytest.approx(-0.05)
+    assert penalty_matrix(_rows(), "validity", 0.95) == {}  # no rows at that threshold
+    with pytest.raises(ValueError, match="two rows for trained 8, block 8"):
+        penalty_matrix(_rows() + _rows()[:1], "validity", 0.9)
+
+
+def test_report_states_the_tables_numbers(tmp_path):
+    md = write_report(tmp_path, _rows(), quality="validity", threshold=0.9,
+                      command="python launch.py calibrate --config configs/calibration_study.yaml")
+    text = md.read_text()
+    assert "configs/calibration_study.yaml" in text and "changes tool-call validity (fraction of turns) by -0.600" in text
+    assert "| 8 | +0.000 | -0.500 |" in text and "| 32 | -0.700 | +0.000 |" in text and "| mix | -0.050 | -0.050 |" in text
+    assert "gamma=0: +20% of the penalty (2 cells)" in text and "| 8 |  | +40% |" in text
+    for png in ("penalty_matrix.png", "trained_8/quality_vs_speed.png", "trained_mix/quality_vs_speed.png"):
+        assert (tmp_path / png).stat().st_size > 0 and png in text
+    assert not math.isnan(summarize(_rows(), "validity", 0.9)["mean_penalty"])
