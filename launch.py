@@ -14,6 +14,7 @@
               weight, padding, pieces per row, overlong splits; --show K prints K packed rows
     calibrate --config F [k=v ...]          block size x threshold (x calibration x sub-block) sweeps:
               CSV, JSON, PNG plots, Pareto front; masked-token loss per block size; learned scalars
+    calibrate --config F --fit [k=v ...]    gamma fitted per target block size on fit.calibration, no sweep
 """
 
 from __future__ import annotations
@@ -261,7 +262,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from sft.data.synthetic import generate_record  # launch owns the wiring: decoding never imports sft
 
     try:
-        return run_calibrate(load_calibrate_config(args.config, args.overrides), generate_record=generate_record)
+        cfg = load_calibrate_config(args.config, args.overrides)
+        if args.fit:
+            from clover_jax.decoding.calibrate_fit import run_fit
+
+            run_fit(cfg, generate_record=generate_record)
+            return 0
+        return run_calibrate(cfg, generate_record=generate_record)
     except DecodeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -346,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="block-size / threshold sweeps on an eval set (CSV, JSON, PNG)")
     p.add_argument("--config", required=True, help="YAML (configs/calibrate_tiny.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. checkpoint=DIR sweep.block_sizes=[4,8]")
+    p.add_argument("--fit", action="store_true", help="fit gamma per target block size on fit.calibration (the "
+                   "masked-token CE), write fit/fit.json and a checkpoint per size; no sweep")
     p.set_defaults(fn=cmd_calibrate)
 
     for name in PENDING:

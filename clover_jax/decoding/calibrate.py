@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from clover_jax.decoding import metrics as ev
+from clover_jax.decoding.calibrate_fit import FitConfig
 from clover_jax.decoding.generator import (DecodeConfig, DecodeError, Decoder, jsonl_lines, resolve_eos_ids,
                                  resolve_vocab_limit)
 from clover_jax.input_file import InputFileError, render_chat
@@ -90,6 +91,7 @@ class CalibrateConfig:
     loss: LossEvalConfig = field(default_factory=LossEvalConfig)
     history_stats: bool = True  # when the model's block_step can report it
     plots: bool = True
+    fit: FitConfig = field(default_factory=FitConfig)  # `--fit`: gamma per target block size (calibrate_fit)
 
 
 def load_calibrate_config(path: str | Path | None, overrides: Sequence[str] = ()) -> CalibrateConfig:

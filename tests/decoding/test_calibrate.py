@@ -141,3 +141,32 @@ def test_quality_series_keeps_calibrations_apart_and_orders_by_threshold():
     assert [[r["threshold"] for r in v] for v in s.values()] == [[0.8, 0.99], [0.8, 0.99]]
     assert [r["tokens_per_forward"] for r in s[("threshold", 32, 0, "learned")]] == [2.9, 1.5]
     assert calibration_label({"gamma": 0.5, "alpha_scale": 2.0, "beta_shift": -1.0}) == "gamma=0.5, alpha x2, beta -1"
+
+
+def test_fit_lowers_the_calibration_loss_and_never_reads_the_eval_split(tmp_path, capsys):
+    """`calibrate --fit` on the tiny model (trained at block 32) for target block 8: the eval split is
+    a path that does not exist (reading it would fail); the fitted gamma shift lowers the masked CE
+    on the calibration split, and the checkpoint it writes carries gamma + delta in every head and
+    gives that loss when evaluated directly (masked_loss_table on the reloaded model)."""
+    from clover_jax.decoding.calibrate import scalar_table
+
+    ckpt = trained_checkpoint()
+    cal = write_eval_jsonl(tmp_path / "cal.jsonl", n=8, seed=777)
+    out = tmp_path / "fit"
+    rc = launch.main(["calibrate", "--fit", "--config", str(ROOT / "configs" / "calibrate_tiny.yaml"),
+                      f"checkpoint={ckpt}", f"out_dir={out}", f"eval.path={tmp_path / 'no_such_eval.jsonl'}",
+                      "eval.source=jsonl", f"fit.calibration={{source: jsonl, path: {cal}, n: 8}}",
+                      "fit.block_sizes=[8]", "fit.t_values=[0.5]", "fit.n=8", "fit.deltas=[-2.0, 0.0, 2.0]",
+                      "fit.refine_steps=4"])
+    assert rc == 0, capsys.readouterr()
+    fit = json.loads((out / "fit" / "fit.json").read_text())
+    e = fit["targets"]["8"]
+    assert e["loss_fitted"] < e["loss_learned"] and e["delta"] != 0.0, e
+    base, tok = load_hf(ckpt)[1], load_tokenizer(ckpt)
+    fitted = load_hf(e["checkpoint"])[1]
+    for a, b in zip(scalar_table(base), scalar_table(fitted)):
+        assert abs(b["gamma"] - (a["gamma"] + e["delta"])) < 1e-6 and (a["alpha"], a["beta"]) == (b["alpha"], b["beta"])
+    examples = build_examples(tok, [json.loads(x) for x in cal.read_text().splitlines()])
+    rows = masked_loss_table(fitted, examples, LossEvalConfig(block_sizes=(8,), t_values=(0.5,), n=8, seed=0),
+                             fitted.cfg.mask_token_id)
+    assert abs(rows[0]["loss"] - e["loss_fitted"]) <= 1e-5 * abs(e["loss_fitted"]), (rows, e)
