@@ -262,6 +262,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from sft.data.synthetic import generate_record  # launch owns the wiring: decoding never imports sft
 
     try:
+        from sft.calibration_study import default_steps, is_study_config, load_study_config, run_study
+
+        if is_study_config(args.config):  # the whole study: trains what is missing, then measures
+            study = load_study_config(args.config, args.overrides)
+            run_study(study, default_steps(study), command=" ".join(["python launch.py calibrate --config",
+                                                                     args.config, *args.overrides]))
+            return 0
         cfg = load_calibrate_config(args.config, args.overrides)
         if args.fit:
             from clover_jax.decoding.calibrate_fit import run_fit

@@ -1,0 +1,167 @@
+"""The block-size calibration study, one resumable command (issue 20):
+``python launch.py calibrate --config configs/calibration_study.yaml`` (a YAML with a `study:`
+section; `launch.py calibrate` hands it here).
+
+1. the eval split (held-out prompts of `sft.data.tool_task`) and a calibration split (held-out
+   prompts of another seed, minus every eval prompt: disjoint by construction), as JSONL;
+2. one model per training block size and one on the mix, each `sft.recipe.run_sft` of the study's
+   recipe with `model.block_size` set (a list for the mix) under ``<runs_dir>/train_<B>``; a model
+   whose HF export exists is not trained again, and an interrupted training resumes from its
+   checkpoints;
+3. per model: the post-hoc gamma fit for every decode block size on the calibration split
+   (`calibrate --fit`), the sweep (decode sizes x thresholds x {learned, gamma=0}, AR first) and a
+   sweep of each fitted checkpoint at its own size; each writes its results.json and is skipped
+   when that exists;
+4. the rows of all sweeps, labelled by trained size and calibration, go to
+   `clover_jax.decoding.study_report.write_report` (``report_dir``), and each model's AR numbers
+   are printed against the floor (validity 0.95, argument accuracy 0.8).
+
+Every step is a function handed in (`Steps`), so the orchestration is tested with stand-ins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from clover_jax.yaml_config import apply_overrides, from_tree, load_yaml_tree
+
+__all__ = ["StudyConfig", "Steps", "default_steps", "is_study_config", "load_study_config", "run_study"]
+
+FLOOR = {"validity": 0.95, "bfcl_accuracy": 0.8}
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    recipe: str = "configs/research_tool.yaml"
+    recipe_overrides: tuple[str, ...] = ()
+    runs_dir: str = "runs/calibration_study"
+    train_block_sizes: tuple[int, ...] = (4, 8, 16, 32)
+    mix: tuple[int, ...] = (4, 8, 16, 32)  # () = no mix model
+    bfcl: str = "../shared/data/bfcl/BFCL_v4_simple_python.json"
+    eval_n: int = 200
+    eval_seed: int = 1
+    calibration_n: int = 32
+    calibration_seed: int = 2
+    decode_block_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)
+    thresholds: tuple[float, ...] = (0.8, 0.9, 0.95, 0.99)
+    quality: str = "bfcl_accuracy"
+    report_threshold: float = 0.9
+    report_dir: str = "docs/calibration_study"
+    calibrate: dict[str, Any] = field(default_factory=dict)  # base CalibrateConfig tree of every sweep
+
+
+def is_study_config(path: str | Path) -> bool:
+    return "study" in load_yaml_tree(path)
+
+
+def load_study_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> StudyConfig:
+    tree = apply_overrides(load_yaml_tree(path), list(overrides))
+    return from_tree(StudyConfig, tree.get("study") or {}, where=f"{path}: study")
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The study's side effects: train(run_dir, block sizes) -> export dir; fit(checkpoint, out,
+    calibration jsonl, sizes); sweep(checkpoint, out, eval jsonl, sizes, thresholds, calibrations)
+    -> writes <out>/results.json."""
+
+    train: Callable[[Path, tuple[int, ...]], Path]
+    fit: Callable[[Path, Path, Path, tuple[int, ...]], None]
+    sweep: Callable[[Path, Path, Path, tuple[int, ...], tuple[float, ...], tuple[dict, ...]], None]
+
+
+def _splits(cfg: StudyConfig, runs: Path) -> tuple[Path, Path]:
+    from sft.data.tool_task import generate_records, load_schemas, prompt_key, write_jsonl
+
+    ev, cal = runs / "eval.jsonl", runs / "calibration.jsonl"
+    if not (ev.is_file() and cal.is_file()):
+        schemas = load_schemas(cfg.bfcl)
+        eval_recs = generate_records(cfg.eval_n, cfg.eval_seed, "heldout", schemas)
+        seen = {prompt_key(r) for r in eval_recs}
+        pool = generate_records(4 * cfg.calibration_n, cfg.calibration_seed, "heldout", schemas)
+        cal_recs = [r for r in pool if prompt_key(r) not in seen][: cfg.calibration_n]
+        write_jsonl(cal, cal_recs)
+        write_jsonl(ev, eval_recs)
+    return ev, cal
+
+
+def _rows(results: Path, trained: Any, calibration: str | None = None) -> list[dict[str, Any]]:
+    rows = json.loads(results.read_text())["rows"]
+    return [{**r, "trained": trained, **({"calibration": calibration} if calibration else {})} for r in rows]
+
+
+def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callable[[str], None] = print) -> Path:
+    """Steps 1-4 of the module docstring; returns the report's path."""
+    from clover_jax.decoding.study_report import write_report
+
+    runs = Path(cfg.runs_dir)
+    runs.mkdir(parents=True, exist_ok=True)
+    ev, cal = _splits(cfg, runs)
+    models: list[tuple[Any, tuple[int, ...]]] = [(b, (b,)) for b in cfg.train_block_sizes]
+    if cfg.mix:
+        models.append(("mix", tuple(cfg.mix)))
+    rows: list[dict[str, Any]] = []
+    cals = ({}, {"gamma": 0.0})
+    for name, sizes in models:
+        run = runs / f"train_{name}"
+        hf = run / "hf"
+        if not (hf / "config.json").is_file():
+            print_fn(f"study: training the block {name} model ({run})")
+            hf = steps.train(run, sizes)
+        if not (run / "fit" / "fit" / "fit.json").is_file():
+            steps.fit(hf, run / "fit", cal, cfg.decode_block_sizes)
+        sweep = run / "sweep"
+        if not (sweep / "results.json").is_file():
+            steps.sweep(hf, sweep, ev, cfg.decode_block_sizes, cfg.thresholds, cals)
+        rows += _rows(sweep / "results.json", name)
+        for k in cfg.decode_block_sizes:
+            out = run / f"sweep_fitted_{k}"
+            if not (out / "results.json").is_file():
+                steps.sweep(run / "fit" / "fit" / f"block{k}", out, ev, (k,), cfg.thresholds, ({},))
+            rows += [r for r in _rows(out / "results.json", name, "fitted") if r["mode"] != "ar"]
+        ar = next(r for r in rows if r["trained"] == name and r["mode"] == "ar")
+        verdict = all(ar[q] >= v for q, v in FLOOR.items())
+        print_fn(f"study: block {name} model, AR on {ev.name}: validity {ar['validity']:.3f}, argument accuracy "
+                 f"{ar['bfcl_accuracy']:.3f} (floor {FLOOR['validity']} / {FLOOR['bfcl_accuracy']}: "
+                 f"{'met' if verdict else 'NOT met'})")
+    (runs / "rows.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    md = write_report(Path(cfg.report_dir), rows, quality=cfg.quality, threshold=cfg.report_threshold, command=command)
+    print_fn(f"study: wrote {md}")
+    return md
+
+
+def default_steps(cfg: StudyConfig) -> Steps:
+    """The real steps: `run_sft` of the recipe, `calibrate_fit.run_fit`, `calibrate.run_calibrate`."""
+    from clover_jax.decoding.calibrate import CalibrateConfig, run_calibrate
+    from clover_jax.decoding.calibrate_fit import run_fit
+    from sft.config import load_sft_config
+    from sft.recipe import run_sft
+
+    def base(checkpoint: Path, out: Path, extra: dict[str, Any]) -> CalibrateConfig:
+        tree = {**cfg.calibrate, "checkpoint": str(checkpoint), "out_dir": str(out), **extra}
+        return from_tree(CalibrateConfig, tree, where="study.calibrate")
+
+    def train(run: Path, sizes: tuple[int, ...]) -> Path:
+        size = sizes[0] if len(sizes) == 1 else f"[{', '.join(map(str, sizes))}]"
+        res = run_sft(load_sft_config(cfg.recipe, [*cfg.recipe_overrides, f"model.block_size={size}",
+                                                   f"logging.run_dir={run}", f"export.dir={run / 'hf'}"]))
+        if res.export_dir is None:
+            raise RuntimeError(f"study: training {run} stopped at step {res.step} without an export (preempted?)")
+        return Path(res.export_dir)
+
+    def fit(hf: Path, out: Path, cal_path: Path, sizes: tuple[int, ...]) -> None:
+        c = base(hf, out, {})
+        run_fit(dataclasses.replace(c, fit=dataclasses.replace(
+            c.fit, calibration={"source": "jsonl", "path": str(cal_path), "n": cfg.calibration_n}, block_sizes=sizes)))
+
+    def sweep(hf: Path, out: Path, ev: Path, sizes, thresholds, cals) -> None:
+        c = base(hf, out, {"eval": {"source": "jsonl", "path": str(ev), "n": cfg.eval_n}})
+        run_calibrate(dataclasses.replace(c, sweep=dataclasses.replace(
+            c.sweep, modes=("threshold",), block_sizes=tuple(sizes), thresholds=tuple(thresholds),
+            calibration=tuple(from_tree(type(c.sweep.calibration[0]), x, where="study") for x in cals))))
+
+    return Steps(train=train, fit=fit, sweep=sweep)
