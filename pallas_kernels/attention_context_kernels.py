@@ -1,0 +1,136 @@
+"""The attention kernels (splash on TPU, flash on GPU) on one shard of a sequence-sharded row: the
+static per-shard layout that lets the one-device kernels run unchanged but for an offset.
+
+Shard i of n holds Tl tokens (global slots [i Tl, (i + 1) Tl)). Per shard, all inside one
+``shard_map`` manual over ``context`` and the batch / head axes (kernels cannot be auto-partitioned):
+
+1. pad the shard's q, K/V and segment ids to Tp slots (whole kernel tiles, a multiple of the block;
+   pad id ``LANE_PAD_SEGMENT``), BEFORE the all-gather, so the gathered clean keys [n Tp] are the
+   shards' padded pieces in row order;
+2. all-gather the clean K/V and ids over ``context`` and roll them by (i + 1) Tp so the shard's own
+   piece comes last: [pieces i+1 .. n-1 | pieces 0 .. i-1 | piece i]; the first n - 1 - i pieces
+   (future keys) get the id ``FUTURE_SEGMENT``, which no query holds;
+3. now the shard's Tp queries are the last Tp of P + Tp clean keys, P = (n - 1) Tp, the same for
+   every shard (static): the clean stream is the causal mask shifted by P (splash ``CausalMask``
+   offset P, flash ``q_offset`` P), the noisy stream runs over [rolled clean keys || the shard's own
+   noisy keys] with the block mask after a visible prefix of P clean keys. The noisy K/V never
+   travel (a noisy key is seen only inside its block; no block straddles two shards).
+
+Why it equals the one-device row: softmax is a function of the SET of visible keys, not of their
+order. Past pieces keep their relative order and stay before the queries' own piece, so "key slot
+<= query slot" and "key before the query's block start" hold exactly as on the global slots; future
+keys are removed by their id; padded slots carry the pad id (each pad query sees itself). Tl and Tp
+are multiples of the block, so blocks on the padded grid are the row's blocks.
+
+Cost: splash skips tiles by the static mask only, so every shard runs its [Tp, P] prefix tiles
+(future ones masked by id): n Tp x (n - 1) Tp + one causal Tp x Tp per shard, about twice the causal
+work of the row (the reference per shard computes the same dense [Tl, T]); flash skips by the
+document extents too, so it does not visit future keys nor keys before the query's document. A
+load-balanced layout (zig-zag) is the next step. Gradients flow back through the roll and the
+all-gather (a reduce-scatter of dK, dV).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from . import gdn_sharding
+from .attention_flash import flash_core
+from .attention_flash_kernels import FlashConfig
+from .attention_layout import LANE_PAD_SEGMENT, pad_stream_rows
+from .attention_splash import LANES, splash_core
+from .gdn_context import CONTEXT_AXIS, context_size
+
+#: id of the keys of later shards after the roll: matches no query (documents and pads use ids >= -1,
+#: the tile padding LANE_PAD_SEGMENT)
+FUTURE_SEGMENT = LANE_PAD_SEGMENT - 1
+KERNEL_BACKENDS = ("splash", "flash")
+
+
+def shard_tile(backend: str, block_size: int, dtype, config: FlashConfig | None = None) -> int:
+    """Each shard's piece is padded to a multiple of this: the kernel's tiles and the block."""
+    if backend == "splash":
+        return math.lcm(LANES, block_size)
+    return dataclasses.replace(config or FlashConfig.for_dtype(dtype), block_size=block_size).tile_multiple()
+
+
+def rolled_clean_keys(k_BTKD, v_BTKD, seg_BT, axis: str = CONTEXT_AXIS):
+    """Inside a shard_map manual over ``axis``: the shard's padded clean K/V [B, Tp, K, D] and ids
+    [B, Tp] -> the row's, gathered and rolled so this shard's piece is last, future pieces' ids set to
+    ``FUTURE_SEGMENT`` ([B, n Tp, K, D] x2, [B, n Tp])."""
+    n, i, tp = lax.axis_size(axis), lax.axis_index(axis), seg_BT.shape[1]
+    start = ((i + 1) % n) * tp  # the gathered row read from here (cyclically) ends with piece i
+
+    def roll(x):
+        x = lax.all_gather(x, axis, axis=1, tiled=True)
+        return lax.dynamic_slice_in_dim(jnp.concatenate([x, x], axis=1), start, n * tp, axis=1)
+
+    seg = roll(seg_BT)
+    future = jnp.arange(n * tp, dtype=jnp.int32) < (n - 1 - i) * tp
+    return roll(k_BTKD), roll(v_BTKD), jnp.where(future[None, :], FUTURE_SEGMENT, seg)
+
+
+def _shard_body(stream: str, block_size: int, backend: str, tp: int, interpret: bool | None,
+                config: FlashConfig | None, axis: str):
+    """Per-device body: (q, k_clean, v_clean, seg) or (q, kc, vc, kn, vn, seg), the shard's [B, Tl]
+    blocks -> [B, Tl, H, D]."""
+
+    def body(q, kc, vc, *rest):
+        seg, tl = rest[-1], q.shape[1]
+        if stream == "clean":
+            q, kc, vc, q_seg, _ = pad_stream_rows(q, kc, vc, seg, "clean", tp)
+        else:  # pad the clean and the noisy half alike, then split them again
+            kn, vn = rest[:2]
+            cat = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
+            q, k, v, q_seg, _ = pad_stream_rows(q, cat(kc, kn), cat(vc, vn), seg, "noisy", tp)
+            (kc, kn), (vc, vn) = (k[:, :tp], k[:, tp:]), (v[:, :tp], v[:, tp:])
+        k, v, kv_seg = rolled_clean_keys(kc, vc, q_seg, axis)
+        prefix = k.shape[1] - tp
+        if stream == "noisy":
+            k, v, kv_seg = (jnp.concatenate([a, b], axis=1) for a, b in ((k, kn), (v, vn), (kv_seg, q_seg)))
+        if backend == "splash":
+            out = splash_core(q, k, v, q_seg, kv_seg, stream=stream, block_size=block_size, interpret=interpret,
+                              prefix=prefix)
+        else:
+            cfg = dataclasses.replace(config or FlashConfig.for_dtype(q.dtype), stream=stream,
+                                      scale=q.shape[-1] ** -0.5, block_size=block_size, q_offset=prefix)
+            out = flash_core(q, k, v, q_seg, kv_seg, cfg=cfg, interpret=interpret)
+        return out[:, :tl]
+
+    return body
+
+
+def context_kernel_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, stream: str, block_size: int,
+                             backend: str, interpret: bool | None = None, mesh=None,
+                             batch_axes: Sequence[str] | None = None, head_axes: Sequence[str] | None = None,
+                             config: FlashConfig | None = None, axis: str = CONTEXT_AXIS) -> jax.Array:
+    """One training stream through ``backend`` ("splash" or "flash") with T sharded over ``axis``
+    (``attention_context.context_stream_attention`` checks the shapes and the split). Shapes as
+    ``stream_attention``: q [B, T, H, D]; k, v [B, T] clean or [B, 2T] = clean || noisy keys.
+    Batch and KV-head axes as for the one-device kernels (``gdn_sharding.gdn_mesh_axes``)."""
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"context_kernel_attention: backend {backend!r} is not one of {KERNEL_BACKENDS}")
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    b, t = segment_ids_BT.shape
+    n = context_size(mesh, axis)
+    tl = t // n
+    mult = shard_tile(backend, block_size if stream == "noisy" else 1, q_BTHD.dtype, config)
+    body = _shard_body(stream, block_size if stream == "noisy" else 1, backend, -(-tl // mult) * mult,
+                       interpret, config, axis)
+    b_axes, h_axes = gdn_sharding.gdn_mesh_axes(mesh, b, k_BSKD.shape[2], batch_axes, head_axes)
+    tok4, tok2 = P(b_axes, axis, h_axes, None), P(b_axes, axis)
+    seg = segment_ids_BT.astype(jnp.int32)
+    if stream == "clean":
+        return gdn_sharding.run_sharded(body, mesh, (tok4,) * 3 + (tok2,), tok4, q_BTHD, k_BSKD, v_BSKD, seg)
+    return gdn_sharding.run_sharded(body, mesh, (tok4,) * 5 + (tok2,), tok4, q_BTHD, k_BSKD[:, :t], v_BSKD[:, :t],
+                                    k_BSKD[:, t:], v_BSKD[:, t:], seg)
+
+
+__all__ = ["FUTURE_SEGMENT", "context_kernel_attention", "rolled_clean_keys", "shard_tile"]
