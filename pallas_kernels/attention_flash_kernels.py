@@ -113,7 +113,7 @@ def key_tile_ranges(cfg: FlashConfig, tq: int, qs, bq: int, bk: int, q_first):
     bs = cfg.block_size
     start = _start(qs + jnp.arange(bq, dtype=jnp.int32), bs)
     sees_clean = q_first < start  # a query sees clean keys [first, start) of its document
-    clean = (_div(jnp.min(jnp.where(sees_clean, q_first, tq)), bk),
+    clean = (_div(jnp.min(jnp.where(sees_clean, q_first, cfg.q_offset + tq)), bk),
              _cdiv(jnp.max(jnp.where(sees_clean, start, 0)), bk))
     st_first, st_last = _start(qs, bs), _start(qs + bq - 1, bs)
     noisy = (n_q + _div(st_first, bk), jnp.minimum(n_q + _cdiv(st_last + bs, bk), (cfg.q_offset + 2 * tq) // bk))
