@@ -108,29 +108,44 @@ def _shard_body(stream: str, block_size: int, backend: str, tp: int, interpret: 
 
 
 def context_kernel_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, stream: str, block_size: int,
-                             backend: str, interpret: bool | None = None, mesh=None,
-                             batch_axes: Sequence[str] | None = None, head_axes: Sequence[str] | None = None,
-                             config: FlashConfig | None = None, axis: str = CONTEXT_AXIS) -> jax.Array:
-    """One training stream through ``backend`` ("splash" or "flash") with T sharded over ``axis``
-    (``attention_context.context_stream_attention`` checks the shapes and the split). Shapes as
-    ``stream_attention``: q [B, T, H, D]; k, v [B, T] clean or [B, 2T] = clean || noisy keys.
-    Batch and KV-head axes as for the one-device kernels (``gdn_sharding.gdn_mesh_axes``)."""
+                             backend: str, **kw) -> jax.Array:
+    """One training stream through ``backend`` ("splash" or "flash") with T sharded over the context
+    axis (``attention_context.context_stream_attention`` checks the shapes and the split). Shapes as
+    ``stream_attention``: q [B, T, H, D]; k, v [B, T] clean or [B, 2T] = clean || noisy keys. ``kw``:
+    as :func:`sharded_stream_attention`."""
+    t = segment_ids_BT.shape[1]
+    if stream == "clean":
+        return sharded_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream="clean", backend=backend, **kw)
+    return sharded_stream_attention(q_BTHD, k_BSKD[:, :t], v_BSKD[:, :t], segment_ids_BT, stream="noisy",
+                                    block_size=block_size, backend=backend, noisy_kv=(k_BSKD[:, t:], v_BSKD[:, t:]),
+                                    **kw)
+
+
+def sharded_stream_attention(q_BTHD, kc_BTKD, vc_BTKD, segment_ids_BT, *, stream: str, backend: str,
+                             block_size: int = 1, noisy_kv: tuple[jax.Array, jax.Array] | None = None,
+                             interpret: bool | None = None, mesh=None, batch_axes: Sequence[str] | None = None,
+                             head_axes: Sequence[str] | None = None, config: FlashConfig | None = None,
+                             axis: str = CONTEXT_AXIS) -> jax.Array:
+    """The kernel path with the clean K/V ``kc``, ``vc`` [B, T, K, D] and, for the noisy stream, the
+    noisy K/V ``noisy_kv`` [B, T, K, D] x2 as separate arrays, each sharded over ``axis`` like the
+    queries (so a shard's clean and noisy pieces are local: no resharding of a [B, 2T] layout).
+    Batch and KV-head mesh axes as for the one-device kernels (``gdn_sharding.gdn_mesh_axes``).
+    Returns [B, T, H, D]."""
     if backend not in KERNEL_BACKENDS:
-        raise ValueError(f"context_kernel_attention: backend {backend!r} is not one of {KERNEL_BACKENDS}")
+        raise ValueError(f"context attention: backend {backend!r} is not one of {KERNEL_BACKENDS}")
+    if (stream == "noisy") != (noisy_kv is not None):
+        raise ValueError(f"context attention: the {stream} stream takes noisy_kv {'(kn, vn)' if stream == 'noisy' else 'None'}")
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     b, t = segment_ids_BT.shape
-    n = context_size(mesh, axis)
-    tl = t // n
-    mult = shard_tile(backend, block_size if stream == "noisy" else 1, q_BTHD.dtype, config)
-    body = _shard_body(stream, block_size if stream == "noisy" else 1, backend, -(-tl // mult) * mult,
-                       interpret, config, axis)
-    b_axes, h_axes = gdn_sharding.gdn_mesh_axes(mesh, b, k_BSKD.shape[2], batch_axes, head_axes)
+    tl = t // context_size(mesh, axis)
+    block = block_size if stream == "noisy" else 1
+    mult = shard_tile(backend, block, q_BTHD.dtype, config)
+    body = _shard_body(stream, block, backend, -(-tl // mult) * mult, interpret, config, axis)
+    b_axes, h_axes = gdn_sharding.gdn_mesh_axes(mesh, b, kc_BTKD.shape[2], batch_axes, head_axes)
     tok4, tok2 = P(b_axes, axis, h_axes, None), P(b_axes, axis)
-    seg = segment_ids_BT.astype(jnp.int32)
-    if stream == "clean":
-        return gdn_sharding.run_sharded(body, mesh, (tok4,) * 3 + (tok2,), tok4, q_BTHD, k_BSKD, v_BSKD, seg)
-    return gdn_sharding.run_sharded(body, mesh, (tok4,) * 5 + (tok2,), tok4, q_BTHD, k_BSKD[:, :t], v_BSKD[:, :t],
-                                    k_BSKD[:, t:], v_BSKD[:, t:], seg)
+    kv = (kc_BTKD, vc_BTKD) + (tuple(noisy_kv) if noisy_kv is not None else ())
+    return gdn_sharding.run_sharded(body, mesh, (tok4,) * (1 + len(kv)) + (tok2,), tok4, q_BTHD, *kv,
+                                    segment_ids_BT.astype(jnp.int32))
 
 
-__all__ = ["FUTURE_SEGMENT", "context_kernel_attention", "rolled_clean_keys", "shard_tile"]
+__all__ = ["FUTURE_SEGMENT", "context_kernel_attention", "rolled_clean_keys", "shard_tile", "sharded_stream_attention"]
