@@ -6,18 +6,16 @@ Program: one full-attention layer's attention core at the agent_mix shapes (16 q
 heads, head dim 256, bf16, block 32), both training streams (clean: causal in-document; noisy: the
 block rule over the gathered clean keys and the shard's own noisy keys), forward + backward, one row
 of T tokens split over `context` = n chips (a mesh of that one axis), the splash kernel per shard
-(`pallas_kernels.attention_context_kernels`). Without the axis this program has no collective at all
+(`pallas_kernels.attention_context_kernels`), both streams over one exchange, as the model runs them
+(`context_two_stream_attention`). Without the axis this program has no collective at all
 (the row stays on one chip), so every collective byte in it is added by context parallelism.
 
-Analytic count per chip (as `train.hlo_cost` counts: a gather's result, a scatter's operand), Tp = a
-shard's length padded to 128 lanes, per stream: the forward all-gathers the clean K and V
-(2 x n Tp x K x D x 2 bytes) and the segment ids (n Tp x 4 bytes); the backward reduce-scatters dK
-and dV (the gather's transpose, 2 x n Tp x K x D x 2 bytes). What the compiled program holds (v5p,
-libtpu of jax 0.10): the two streams' gathers are one (XLA merges the identical all-gathers of the same
-clean K/V and ids: half the analytic gather bytes, the minimum), and the backward's reduce-scatters
-are written as ONE all-reduce of the four full [n Tp] cotangents (the same bytes counted as operand,
-twice the ring traffic of a reduce-scatter). Summing the two streams' dK / dV before the exchange (one
-shard_map for both streams) would halve the backward's bytes: not done yet.
+Analytic count per chip and layer (as `train.hlo_cost` counts: a gather's result, a scatter's
+operand), Tp = a shard's length padded to 128 lanes: the forward all-gathers the clean K and V
+(2 x n Tp x K x D x 2 bytes) and the segment ids (n Tp x 4 bytes) once for both streams; the backward
+reduce-scatters dK and dV (the gather's transpose, 2 x n Tp x K x D x 2 bytes), the two streams'
+cotangents summed on the chip first. The noisy K/V never travel. XLA:TPU may write a reduce-scatter as
+an all-reduce of the same operand (twice the ring traffic): the table shows what the program holds.
 
 Per step (agent_mix at 32K on the planned context mesh, an extrapolation, labelled so): the layer's
 bytes x full-attention layers x rows a context group processes per step (batch x copies / groups) x
@@ -66,18 +64,17 @@ def layer_loss(seg):
     over `context` into its halves would move each half across the chips (collective-permutes, and
     an all-reduce for the backward's reduce-scatter), a cost of that layout, not of the attention."""
     def f(q_clean, q_noisy, k_clean, k_noisy, v_clean, v_noisy):
-        out_c = sharded_stream_attention(q_clean, k_clean, v_clean, seg, stream="clean", backend="splash")
-        out_n = sharded_stream_attention(q_noisy, k_clean, v_clean, seg, stream="noisy", block_size=BLOCK,
-                                         backend="splash", noisy_kv=(k_noisy, v_noisy))
+        out_c, out_n = sharded_stream_attention(q_clean, q_noisy, k_clean, v_clean, seg, backend="splash",
+                                                block_size=BLOCK, noisy_kv=(k_noisy, v_noisy))
         return jnp.sum(out_c.astype(jnp.float32)) + jnp.sum(out_n.astype(jnp.float32))
     return f
 
 
 def analytic(t: int, n: int, rows: int = 1) -> dict[str, float]:
-    """Per chip and layer, both streams (module docstring): bytes by collective kind."""
+    """Per chip and layer, both streams over one exchange (module docstring): bytes by collective kind."""
     tp = -(-(t // n) // LANES) * LANES
     kv = 2 * rows * n * tp * K * D * 2  # K and V, bf16, gathered
-    return {"all-gather": 2 * (kv + rows * n * tp * 4), "reduce-scatter": 2 * kv}
+    return {"all-gather": kv + rows * n * tp * 4, "reduce-scatter": kv}
 
 
 def compile_one(t: int, n: int, devices) -> dict:
@@ -132,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{r['ici_bytes'][kind] / 2**20:>10.2f}")
         total = sum(r["hlo_collective_bytes"].values())
         r["step_GiB_extrapolated"] = per_step(total + r["hlo_collective_bytes"]["all-gather"], n) / GiB
-        print(f"{n:>3}{'total':>16}{total / 2**20:>11.2f}{sum(r['analytic_bytes'].values()) / 2**20:>14.2f}"
+        want = sum(r["analytic_bytes"].values())
+        print(f"{n:>3}{'total':>16}{total / 2**20:>11.2f}{want / 2**20:>14.2f}{total / want:>14.3f}"
               f"   (compile {r['compile_s']:.1f} s, {r['splash_calls']} splash calls, temp {r['temp_GiB']:.2f} GiB)")
     print(f"\nper step, EXTRAPOLATED from the layer (agent_mix at {a.seq}: {STEP['rows']} rows x {STEP['copies']} copies "
           f"over {STEP['chips']} chips, {STEP['full_attention_layers']} full-attention layers, forward gathers x2 "

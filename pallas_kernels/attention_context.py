@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .attention_context_kernels import context_kernel_attention
+from .attention_context_kernels import context_kernel_attention, sharded_stream_attention
 from .attention_reference import attend, causal_segment_mask, noisy_query_mask
 from .gdn_context import CONTEXT_AXIS, context_size, over_context
 
@@ -63,17 +63,43 @@ def shard_noisy_attention(q_BTHD, kc_BTKD, vc_BTKD, kn_BTKD, vn_BTKD, seg_BT, bl
                   mask)
 
 
+def _check_split(t: int, block_size: int, mesh) -> None:
+    n = context_size(mesh)
+    if t % n or (t // n) % block_size:
+        raise ValueError(f"attention context parallelism: sequence length {t} must split into mesh.context={n} "
+                         f"shards whose length is a multiple of block_size {block_size}")
+
+
+def context_two_stream_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BT, *, block_size: int, backend: str,
+                                 mesh=None, **kernel_kw) -> jax.Array:
+    """Both training streams with T sharded over ``context``: q, k, v [B, 2T, *] = clean || noisy
+    tokens -> [B, 2T, H, D]. A kernel backend runs both streams in one shard_map over ONE exchange of
+    the clean K/V (one all-gather; the two streams' dK / dV summed before one reduce-scatter); the
+    reference runs the two streams apart."""
+    t = segment_ids_BT.shape[1]
+    if q_BSHD.shape[1] != 2 * t or k_BSKD.shape[1] != 2 * t:
+        raise ValueError(f"two-stream attention: q {q_BSHD.shape} and k {k_BSKD.shape} must be [B, 2T] for T={t}")
+    if backend == "reference":
+        out_c = context_stream_attention(q_BSHD[:, :t], k_BSKD[:, :t], v_BSKD[:, :t], segment_ids_BT, stream="clean",
+                                         mesh=mesh)
+        out_n = context_stream_attention(q_BSHD[:, t:], k_BSKD, v_BSKD, segment_ids_BT, stream="noisy",
+                                         block_size=block_size, mesh=mesh)
+    else:
+        _check_split(t, block_size, mesh)
+        out_c, out_n = sharded_stream_attention(q_BSHD[:, :t], q_BSHD[:, t:], k_BSKD[:, :t], v_BSKD[:, :t],
+                                                segment_ids_BT, backend=backend, block_size=block_size,
+                                                noisy_kv=(k_BSKD[:, t:], v_BSKD[:, t:]), mesh=mesh, **kernel_kw)
+    return jnp.concatenate([out_c, out_n], axis=1)
+
+
 def context_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, stream: str, block_size: int = 1,
                              mesh=None, backend: str = "reference", **kernel_kw) -> jax.Array:
     """``stream_attention`` with T sharded over the ``context`` axis. Clean: q, k, v [B, T, *];
     noisy: q [B, T], k, v [B, 2T] = clean || noisy keys. Returns [B, T, H, D]. ``backend``: a
     resolved one ("reference", "splash", "flash"); ``kernel_kw`` (interpret, batch_axes, head_axes,
     config) go to the kernel path."""
-    n = context_size(mesh)
     t = segment_ids_BT.shape[1]
-    if t % n or (t // n) % block_size:
-        raise ValueError(f"attention context parallelism: sequence length {t} must split into mesh.context={n} "
-                         f"shards whose length is a multiple of block_size {block_size}")
+    _check_split(t, block_size, mesh)
     if stream not in ("clean", "noisy"):
         raise ValueError(f"unknown attention stream {stream!r}; expected 'clean' or 'noisy'")
     if stream == "noisy" and k_BSKD.shape[1] != 2 * t:
@@ -90,4 +116,4 @@ def context_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, stream: 
                         k_BSKD[:, t:], v_BSKD[:, t:], seg, mesh=mesh)
 
 
-__all__ = ["context_stream_attention", "shard_clean_attention", "shard_noisy_attention"]
+__all__ = ["context_stream_attention", "context_two_stream_attention", "shard_clean_attention", "shard_noisy_attention"]

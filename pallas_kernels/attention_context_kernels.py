@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from . import gdn_sharding
 from .attention_flash import flash_core
 from .attention_flash_kernels import FlashConfig
-from .attention_layout import LANE_PAD_SEGMENT, pad_stream_rows
+from .attention_layout import LANE_PAD_SEGMENT, pad_rows
 from .attention_splash import LANES, splash_core
 from .gdn_context import CONTEXT_AXIS, context_size
 
@@ -77,32 +77,41 @@ def rolled_clean_keys(k_BTKD, v_BTKD, seg_BT, axis: str = CONTEXT_AXIS):
     return roll(k_BTKD), roll(v_BTKD), jnp.where(future[None, :], FUTURE_SEGMENT, seg)
 
 
-def _shard_body(stream: str, block_size: int, backend: str, tp: int, interpret: bool | None,
-                config: FlashConfig | None, axis: str):
-    """Per-device body: (q, k_clean, v_clean, seg) or (q, kc, vc, kn, vn, seg), the shard's [B, Tl]
-    blocks -> [B, Tl, H, D]."""
+def _on_device(backend: str, stream: str, q, k, v, q_seg, kv_seg, block_size: int, prefix: int,
+               interpret: bool | None, config: FlashConfig | None):
+    """One stream's kernel on one device's padded blocks, its queries after ``prefix`` clean keys."""
+    if backend == "splash":
+        return splash_core(q, k, v, q_seg, kv_seg, stream=stream, block_size=block_size, interpret=interpret,
+                           prefix=prefix)
+    cfg = dataclasses.replace(config or FlashConfig.for_dtype(q.dtype), stream=stream, scale=q.shape[-1] ** -0.5,
+                              block_size=block_size, q_offset=prefix)
+    return flash_core(q, k, v, q_seg, kv_seg, cfg=cfg, interpret=interpret)
 
-    def body(q, kc, vc, *rest):
-        seg, tl = rest[-1], q.shape[1]
-        if stream == "clean":
-            q, kc, vc, q_seg, _ = pad_stream_rows(q, kc, vc, seg, "clean", tp)
-        else:  # pad the clean and the noisy half alike, then split them again
-            kn, vn = rest[:2]
-            cat = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
-            q, k, v, q_seg, _ = pad_stream_rows(q, cat(kc, kn), cat(vc, vn), seg, "noisy", tp)
-            (kc, kn), (vc, vn) = (k[:, :tp], k[:, tp:]), (v[:, :tp], v[:, tp:])
-        k, v, kv_seg = rolled_clean_keys(kc, vc, q_seg, axis)
+
+def _shard_body(streams: tuple[str, ...], block_size: int, backend: str, tp: int, interpret: bool | None,
+                config: FlashConfig | None, axis: str):
+    """Per-device body of one or both streams over ONE exchange of the clean K/V: args = one q per
+    stream of ``streams`` (clean first), kc, vc, (kn, vn if the noisy stream runs), seg: the shard's
+    [B, Tl] blocks -> one [B, Tl, H, D] per stream. With both streams the gathered K/V feed both
+    kernels, so their dK / dV are summed on the chip before the one reduce-scatter back."""
+
+    def body(*args):
+        qs, kv, seg = args[:len(streams)], args[len(streams):-1], args[-1]
+        tl = seg.shape[1]
+        qs, kv = [pad_rows(q, tp) for q in qs], [pad_rows(x, tp) for x in kv]
+        q_seg = pad_rows(seg, tp, LANE_PAD_SEGMENT)
+        k, v, kv_seg = rolled_clean_keys(kv[0], kv[1], q_seg, axis)
         prefix = k.shape[1] - tp
-        if stream == "noisy":
-            k, v, kv_seg = (jnp.concatenate([a, b], axis=1) for a, b in ((k, kn), (v, vn), (kv_seg, q_seg)))
-        if backend == "splash":
-            out = splash_core(q, k, v, q_seg, kv_seg, stream=stream, block_size=block_size, interpret=interpret,
-                              prefix=prefix)
-        else:
-            cfg = dataclasses.replace(config or FlashConfig.for_dtype(q.dtype), stream=stream,
-                                      scale=q.shape[-1] ** -0.5, block_size=block_size, q_offset=prefix)
-            out = flash_core(q, k, v, q_seg, kv_seg, cfg=cfg, interpret=interpret)
-        return out[:, :tl]
+        outs = []
+        for stream, q in zip(streams, qs):
+            if stream == "clean":
+                out = _on_device(backend, "clean", q, k, v, q_seg, kv_seg, 1, prefix, interpret, config)
+            else:  # [rolled clean keys || the shard's own noisy keys]
+                cat = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
+                out = _on_device(backend, "noisy", q, cat(k, kv[2]), cat(v, kv[3]), q_seg, cat(kv_seg, q_seg),
+                                 block_size, prefix, interpret, config)
+            outs.append(out[:, :tl])
+        return tuple(outs)
 
     return body
 
@@ -115,37 +124,42 @@ def context_kernel_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, stream: 
     as :func:`sharded_stream_attention`."""
     t = segment_ids_BT.shape[1]
     if stream == "clean":
-        return sharded_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream="clean", backend=backend, **kw)
-    return sharded_stream_attention(q_BTHD, k_BSKD[:, :t], v_BSKD[:, :t], segment_ids_BT, stream="noisy",
-                                    block_size=block_size, backend=backend, noisy_kv=(k_BSKD[:, t:], v_BSKD[:, t:]),
-                                    **kw)
+        return sharded_stream_attention(q_BTHD, None, k_BSKD, v_BSKD, segment_ids_BT, backend=backend, **kw)[0]
+    return sharded_stream_attention(None, q_BTHD, k_BSKD[:, :t], v_BSKD[:, :t], segment_ids_BT, backend=backend,
+                                    block_size=block_size, noisy_kv=(k_BSKD[:, t:], v_BSKD[:, t:]), **kw)[1]
 
 
-def sharded_stream_attention(q_BTHD, kc_BTKD, vc_BTKD, segment_ids_BT, *, stream: str, backend: str,
+def sharded_stream_attention(q_clean_BTHD, q_noisy_BTHD, kc_BTKD, vc_BTKD, segment_ids_BT, *, backend: str,
                              block_size: int = 1, noisy_kv: tuple[jax.Array, jax.Array] | None = None,
                              interpret: bool | None = None, mesh=None, batch_axes: Sequence[str] | None = None,
                              head_axes: Sequence[str] | None = None, config: FlashConfig | None = None,
-                             axis: str = CONTEXT_AXIS) -> jax.Array:
-    """The kernel path with the clean K/V ``kc``, ``vc`` [B, T, K, D] and, for the noisy stream, the
-    noisy K/V ``noisy_kv`` [B, T, K, D] x2 as separate arrays, each sharded over ``axis`` like the
-    queries (so a shard's clean and noisy pieces are local: no resharding of a [B, 2T] layout).
-    Batch and KV-head mesh axes as for the one-device kernels (``gdn_sharding.gdn_mesh_axes``).
-    Returns [B, T, H, D]."""
+                             axis: str = CONTEXT_AXIS) -> tuple[jax.Array | None, jax.Array | None]:
+    """The kernel path of the clean stream (``q_clean`` [B, T, H, D], else None), the noisy stream
+    (``q_noisy`` and ``noisy_kv`` = (kn, vn) [B, T, K, D], else None) or both over one exchange, the
+    clean K/V ``kc``, ``vc`` [B, T, K, D]. Every array is sharded over ``axis`` like the queries, so
+    a shard's clean and noisy pieces are local (no resharding of a [B, 2T] layout). Batch and KV-head
+    mesh axes as for the one-device kernels (``gdn_sharding.gdn_mesh_axes``). Returns (clean out,
+    noisy out), [B, T, H, D] each or None."""
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"context attention: backend {backend!r} is not one of {KERNEL_BACKENDS}")
-    if (stream == "noisy") != (noisy_kv is not None):
-        raise ValueError(f"context attention: the {stream} stream takes noisy_kv {'(kn, vn)' if stream == 'noisy' else 'None'}")
+    if (q_noisy_BTHD is None) != (noisy_kv is None):
+        raise ValueError("context attention: the noisy stream needs both q_noisy and noisy_kv = (kn, vn)")
+    streams = tuple(n for n, q in (("clean", q_clean_BTHD), ("noisy", q_noisy_BTHD)) if q is not None)
+    if not streams:
+        raise ValueError("context attention: neither q_clean nor q_noisy given")
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     b, t = segment_ids_BT.shape
     tl = t // context_size(mesh, axis)
-    block = block_size if stream == "noisy" else 1
-    mult = shard_tile(backend, block, q_BTHD.dtype, config)
-    body = _shard_body(stream, block, backend, -(-tl // mult) * mult, interpret, config, axis)
+    block = block_size if "noisy" in streams else 1
+    qs = tuple(q for q in (q_clean_BTHD, q_noisy_BTHD) if q is not None)
+    mult = shard_tile(backend, block, qs[0].dtype, config)
+    body = _shard_body(streams, block, backend, -(-tl // mult) * mult, interpret, config, axis)
     b_axes, h_axes = gdn_sharding.gdn_mesh_axes(mesh, b, kc_BTKD.shape[2], batch_axes, head_axes)
     tok4, tok2 = P(b_axes, axis, h_axes, None), P(b_axes, axis)
     kv = (kc_BTKD, vc_BTKD) + (tuple(noisy_kv) if noisy_kv is not None else ())
-    return gdn_sharding.run_sharded(body, mesh, (tok4,) * (1 + len(kv)) + (tok2,), tok4, q_BTHD, *kv,
-                                    segment_ids_BT.astype(jnp.int32))
+    outs = iter(gdn_sharding.run_sharded(body, mesh, (tok4,) * (len(qs) + len(kv)) + (tok2,), (tok4,) * len(qs),
+                                         *qs, *kv, segment_ids_BT.astype(jnp.int32)))
+    return tuple(next(outs) if name in streams else None for name in ("clean", "noisy"))
 
 
 __all__ = ["FUTURE_SEGMENT", "context_kernel_attention", "rolled_clean_keys", "shard_tile", "sharded_stream_attention"]

@@ -5,9 +5,9 @@ the training streams (clean: causal in-document; noisy: the block rule of docs/d
 TPU splash kernel, the GPU flash kernel or the jnp reference (`attend` over an explicit boolean mask
 [B, Tq, Tk], built by a pure function of slots and segment ids). Prefill, decoding and the
 decode-side block steps keep the dense reference: their masks index a cache, and their query
-blocks are short. With the row's sequence sharded over the `context` mesh axis, the dispatch runs
-both training streams through `pallas_kernels.attention_context` (all-gathered K/V, the same backend
-per shard; the dense masks are not used).
+blocks are short. With the row's sequence sharded over the `context` mesh axis, both training
+streams run `pallas_kernels.attention_context` (all-gathered K/V, the same backend per shard, one
+exchange for both streams; the dense masks are not used).
 Keys come either from the current tokens (training forward) or from a preallocated KV cache that
 the current tokens are first written into (prefill and decode: one code path for both).
 """
@@ -28,7 +28,8 @@ from pallas_kernels.attention_reference import (  # noqa: F401  (re-exported: th
     noisy_query_mask,
     two_stream_masks,
 )
-from pallas_kernels.attention_dispatch import stream_attention
+from pallas_kernels.attention_context import context_two_stream_attention
+from pallas_kernels.attention_dispatch import resolve_attn_backend, stream_attention
 from pallas_kernels.gdn_context import context_size
 
 
@@ -130,11 +131,14 @@ class Attention(nnx.Module):
         q, gate = self.project_q(x_BSD, cos2, sin2)
         k, v = self.project_kv(x_BSD, cos2, sin2)
         t, seg = ctx["cos"].shape[1], ctx["segment_ids"]
-        sharded = context_size() > 1  # each stream's T over the `context` axis: no dense [T, *] masks
+        if context_size() > 1:  # each stream's T over the `context` axis: one K/V exchange for both
+            out = context_two_stream_attention(q, k, v, seg, block_size=ctx["block_size"],
+                                               backend=resolve_attn_backend(self.backend))
+            return self.output(out, gate)
         out_c = stream_attention(q[:, :t], k[:, :t], v[:, :t], seg, stream="clean", backend=self.backend,
-                                 mask_BTS=None if sharded else ctx.get("mask"))
+                                 mask_BTS=ctx.get("mask"))
         out_n = stream_attention(q[:, t:], k, v, seg, stream="noisy", block_size=ctx["block_size"],
-                                 backend=self.backend, mask_BTS=None if sharded else ctx.get("noisy_mask"))
+                                 backend=self.backend, mask_BTS=ctx.get("noisy_mask"))
         return self.output(jnp.concatenate([out_c, out_n], axis=1), gate)
 
     def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]) -> jax.Array:
