@@ -149,7 +149,7 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
             state_args=state, model=Path(path).stem, params=param_count(mcfg), topology=topo,
             micro_batch=rows // mb, micro_batches=mb, seq_len=t, model_flops=flops.model,
             analytic_flops=flops.executed, tokens_per_step=rows * t,
-            kernel_cost=step_kernel_cost(mcfg, mesh.shape["expert"], bk),
+            kernel_cost=step_kernel_cost(mcfg, mesh.shape["expert"], bk, mesh.shape.get("context", 1)),
             step_name=f"SFT step ({copies} noisy copies x clean+noisy streams, fwd+bwd+adamw)"))
     return plans
 

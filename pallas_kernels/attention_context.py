@@ -11,7 +11,9 @@ exchange; a ring with ``ppermute`` overlapping compute is the next step):
   two shards, so the noisy K/V never travel.
 
 Per shard the core is the jnp reference ``attend`` (dense [Tl, T] scores: 1/n of the one-device
-row). Gradients flow back through the all-gather (a reduce-scatter of dK, dV).
+row) with ``backend="reference"``, or the splash / flash kernel on a static per-shard layout
+(:mod:`pallas_kernels.attention_context_kernels`). Gradients flow back through the all-gather (a
+reduce-scatter of dK, dV).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from .attention_context_kernels import context_kernel_attention, sharded_stream_attention
 from .attention_reference import attend, causal_segment_mask, noisy_query_mask
 from .gdn_context import CONTEXT_AXIS, context_size, over_context
 
@@ -60,26 +63,57 @@ def shard_noisy_attention(q_BTHD, kc_BTKD, vc_BTKD, kn_BTKD, vn_BTKD, seg_BT, bl
                   mask)
 
 
-def context_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, stream: str, block_size: int = 1,
-                             mesh=None) -> jax.Array:
-    """``stream_attention`` (reference semantics) with T sharded over the ``context`` axis. Clean:
-    q, k, v [B, T, *]; noisy: q [B, T], k, v [B, 2T] = clean || noisy keys. Returns [B, T, H, D]."""
+def _check_split(t: int, block_size: int, mesh) -> None:
     n = context_size(mesh)
-    t = segment_ids_BT.shape[1]
     if t % n or (t // n) % block_size:
         raise ValueError(f"attention context parallelism: sequence length {t} must split into mesh.context={n} "
                          f"shards whose length is a multiple of block_size {block_size}")
+
+
+def context_two_stream_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BT, *, block_size: int, backend: str,
+                                 mesh=None, **kernel_kw) -> jax.Array:
+    """Both training streams with T sharded over ``context``: q, k, v [B, 2T, *] = clean || noisy
+    tokens -> [B, 2T, H, D]. A kernel backend runs both streams in one shard_map over ONE exchange of
+    the clean K/V (one all-gather; the two streams' dK / dV summed before one reduce-scatter); the
+    reference runs the two streams apart."""
+    t = segment_ids_BT.shape[1]
+    if q_BSHD.shape[1] != 2 * t or k_BSKD.shape[1] != 2 * t:
+        raise ValueError(f"two-stream attention: q {q_BSHD.shape} and k {k_BSKD.shape} must be [B, 2T] for T={t}")
+    if backend == "reference":
+        out_c = context_stream_attention(q_BSHD[:, :t], k_BSKD[:, :t], v_BSKD[:, :t], segment_ids_BT, stream="clean",
+                                         mesh=mesh)
+        out_n = context_stream_attention(q_BSHD[:, t:], k_BSKD, v_BSKD, segment_ids_BT, stream="noisy",
+                                         block_size=block_size, mesh=mesh)
+    else:
+        _check_split(t, block_size, mesh)
+        out_c, out_n = sharded_stream_attention(q_BSHD[:, :t], q_BSHD[:, t:], k_BSKD[:, :t], v_BSKD[:, :t],
+                                                segment_ids_BT, backend=backend, block_size=block_size,
+                                                noisy_kv=(k_BSKD[:, t:], v_BSKD[:, t:]), mesh=mesh, **kernel_kw)
+    return jnp.concatenate([out_c, out_n], axis=1)
+
+
+def context_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, stream: str, block_size: int = 1,
+                             mesh=None, backend: str = "reference", **kernel_kw) -> jax.Array:
+    """``stream_attention`` with T sharded over the ``context`` axis. Clean: q, k, v [B, T, *];
+    noisy: q [B, T], k, v [B, 2T] = clean || noisy keys. Returns [B, T, H, D]. ``backend``: a
+    resolved one ("reference", "splash", "flash"); ``kernel_kw`` (interpret, batch_axes, head_axes,
+    config) go to the kernel path."""
+    t = segment_ids_BT.shape[1]
+    _check_split(t, block_size, mesh)
+    if stream not in ("clean", "noisy"):
+        raise ValueError(f"unknown attention stream {stream!r}; expected 'clean' or 'noisy'")
+    if stream == "noisy" and k_BSKD.shape[1] != 2 * t:
+        raise ValueError(f"noisy stream: keys must be [B, 2T] = clean || noisy, got {k_BSKD.shape} for T={t}")
+    if backend != "reference":
+        return context_kernel_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
+                                        backend=backend, mesh=mesh, **kernel_kw)
     seg = segment_ids_BT.astype(jnp.int32)
     if stream == "clean":
         return over_context(shard_clean_attention, (_TOK4, _TOK4, _TOK4, _TOK2), _TOK4,
                             q_BTHD, k_BSKD, v_BSKD, seg, mesh=mesh)
-    if stream != "noisy":
-        raise ValueError(f"unknown attention stream {stream!r}; expected 'clean' or 'noisy'")
-    if k_BSKD.shape[1] != 2 * t:
-        raise ValueError(f"noisy stream: keys must be [B, 2T] = clean || noisy, got {k_BSKD.shape} for T={t}")
     body = lambda q, kc, vc, kn, vn, s: shard_noisy_attention(q, kc, vc, kn, vn, s, block_size)  # noqa: E731
     return over_context(body, (_TOK4,) * 5 + (_TOK2,), _TOK4, q_BTHD, k_BSKD[:, :t], v_BSKD[:, :t],
                         k_BSKD[:, t:], v_BSKD[:, t:], seg, mesh=mesh)
 
 
-__all__ = ["context_stream_attention", "shard_clean_attention", "shard_noisy_attention"]
+__all__ = ["context_stream_attention", "context_two_stream_attention", "shard_clean_attention", "shard_noisy_attention"]

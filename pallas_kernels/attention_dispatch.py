@@ -11,7 +11,9 @@ backend choice, never a numerics choice (they agree to fp32 round-off). Backends
 - ``auto``: flash on GPU, splash on TPU, reference on CPU.
 
 Both kernels run the Pallas interpreter off their platform (CPU tests) and ``shard_map`` over batch
-and KV-head groups under a mesh. Every other caller keeps the dense path whatever the backend:
+and KV-head groups under a mesh. With a ``context`` mesh axis (the row's T sharded) every backend goes
+through :mod:`pallas_kernels.attention_context` (K/V all-gathered over the axis, the same backend
+per shard). Every other caller keeps the dense path whatever the backend:
 prefill / decoding against a cache and the decode-side block steps (the model calls the reference
 ``attend`` directly: a cache-indexed mask, and query blocks of one decode block, too short for a
 kernel's tiles to pay).
@@ -23,9 +25,11 @@ from collections.abc import Sequence
 
 import jax
 
+from .attention_context import context_stream_attention
 from .attention_flash import flash_attention
 from .attention_reference import attend, clean_attention_ref, noisy_attention_ref
 from .attention_splash import Stream, splash_attention
+from .gdn_context import context_size
 
 ATTN_BACKENDS = ("auto", "splash", "flash", "reference")
 _AUTO = {"tpu": "splash", "gpu": "flash"}
@@ -64,6 +68,10 @@ def stream_attention(
     once per layer); None = built here from the segment ids. Ignored by the kernel, which needs only
     the segment ids. Returns [B, T, H, D]."""
     backend = resolve_attn_backend(backend)
+    if context_size(mesh) > 1:  # T sharded over the `context` axis: gathered K/V, the backend per shard
+        kw = {} if backend == "reference" else dict(interpret=interpret, batch_axes=batch_axes, head_axes=head_axes)
+        return context_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
+                                        mesh=mesh, backend=backend, **kw)
     if backend == "splash":
         return splash_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
                                 interpret=interpret, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes)

@@ -87,6 +87,21 @@ def _core(cfg: FlashConfig, mode: bool | None):
     return core
 
 
+def flash_core(q, k, v, q_seg, kv_seg, *, cfg: FlashConfig, interpret: bool | None):
+    """The kernels on one device's whole-tile blocks: q [B, Tq, H, D]; k, v [B, S, K, D] with the
+    Tq queries after ``cfg.q_offset`` = O clean keys, S = O + Tq (clean) or O + 2 Tq (noisy: the
+    queries' noisy keys last); q_seg [B, Tq], kv_seg [B, S] int32 (the queries' ids are kv_seg's at
+    [O, O + Tq)). Pads D for Triton's dots and derives the document extents from the clean keys'
+    ids. Returns [B, Tq, H, D]."""
+    d, tq, off = q.shape[-1], q.shape[1], cfg.q_offset
+    dp = max(16, 1 << (d - 1).bit_length())
+    q, k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, dp - d),)) for x in (q, k, v))
+    first, last = doc_extents(kv_seg[:, :off + tq])
+    kv_last = last if cfg.stream == "clean" else jnp.concatenate([last, last[:, off:]], axis=1)
+    return _core(cfg, interpret)(q, k.astype(q.dtype), v.astype(q.dtype), q_seg, kv_seg, first[:, off:],
+                                 kv_last)[..., :d]
+
+
 def flash_attention(
     q_BTHD: jax.Array,
     k_BSKD: jax.Array,
@@ -124,18 +139,13 @@ def flash_attention(
     cfg = dataclasses.replace(config or FlashConfig.for_dtype(q_BTHD.dtype), stream=stream, scale=d ** -0.5,
                               block_size=block_size if stream == "noisy" else 1)
     mult = cfg.tile_multiple()
-    q, k, v, seg, kv_seg = pad_stream_rows(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream, -(-t // mult) * mult)
-    dp = max(16, 1 << (d - 1).bit_length())
-    q, k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, dp - d),)) for x in (q, k, v))
-    first, last = doc_extents(seg)
-    kv_last = last if stream == "clean" else jnp.concatenate([last, last], axis=1)
-    args = (q, k.astype(q.dtype), v.astype(q.dtype), seg, kv_seg, first, kv_last)
-    core = _core(cfg, interpret)
+    args = pad_stream_rows(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream, -(-t // mult) * mult)
+    core = lambda *a: flash_core(*a, cfg=cfg, interpret=interpret)  # noqa: E731
     mesh = gdn_sharding.active_mesh(mesh)
     if mesh is None:
         out = core(*args)
     else:
         b_axes, h_axes = gdn_sharding.gdn_mesh_axes(mesh, b, kv, batch_axes, head_axes)
         heads, rows = P(b_axes, None, h_axes, None), P(b_axes)
-        out = gdn_sharding.run_sharded(core, mesh, (heads, heads, heads) + (rows,) * 4, heads, *args)
-    return out[:, :t, :, :d]
+        out = gdn_sharding.run_sharded(core, mesh, (heads, heads, heads, rows, rows), heads, *args)
+    return out[:, :t]

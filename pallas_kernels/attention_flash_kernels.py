@@ -16,6 +16,11 @@ Masks (key index kv in [0, S), query slot q, both with equal segment ids):
 clean: kv <= q. noisy, with s = q - q % block: kv < s (clean keys before the block start) or
 Tq + s <= kv < Tq + s + block (noisy keys of the same block).
 
+A context shard (``FlashConfig.q_offset`` = O > 0, :mod:`pallas_kernels.attention_context`): the
+Tq queries are the LAST Tq of O + Tq clean keys (the shard's own piece after the keys gathered from
+the other shards), so query i has slot q = O + i and the rules above hold unchanged on key indices
+(clean keys [0, O + Tq), the shard's noisy keys after them: S = O + Tq, or O + 2 Tq).
+
 Tile skipping: each program visits only key tiles (fwd, dq) or query tiles (dk/dv) that can hold a
 visible pair, from the causal / block structure and the document extents; inside a visited tile the
 exact mask applies (masked scores give exactly zero probability). Numerics: bf16 (or fp32) operands,
@@ -52,6 +57,7 @@ class FlashConfig:
 
     stream: Stream = "clean"
     block_size: int = 1  # the noisy stream's row-grid block
+    q_offset: int = 0  # slot of the first query: clean keys before the queries' own (context shards)
     scale: float = 1.0  # softmax scale (D^-0.5)
     block_q: int = 64
     block_k: int = 64
@@ -98,38 +104,40 @@ def visible(cfg: FlashConfig, tq: int, q_slot, q_seg, kv_idx, kv_seg):
 
 
 def key_tile_ranges(cfg: FlashConfig, tq: int, qs, bq: int, bk: int, q_first):
-    """[(lo, hi), ...] key-tile ranges a query tile [qs, qs + bq) visits; ``q_first`` [bq]: the first
-    slot of each query's segment id. Works on traced values and on NumPy / Python ints."""
-    n_clean = tq // bk
+    """[(lo, hi), ...] key-tile ranges a query tile [qs, qs + bq) (local: slots ``q_offset + qs`` on)
+    visits; ``q_first`` [bq]: the first slot of each query's segment id. Works on traced values and
+    on NumPy / Python ints."""
+    n_q, qs = tq // bk, cfg.q_offset + qs  # noisy keys start at q_offset + tq: tile n_q + slot // bk
     if cfg.stream == "clean":
         return [(_div(jnp.min(q_first), bk), _cdiv(qs + bq, bk))]
     bs = cfg.block_size
     start = _start(qs + jnp.arange(bq, dtype=jnp.int32), bs)
     sees_clean = q_first < start  # a query sees clean keys [first, start) of its document
-    clean = (_div(jnp.min(jnp.where(sees_clean, q_first, tq)), bk),
+    clean = (_div(jnp.min(jnp.where(sees_clean, q_first, cfg.q_offset + tq)), bk),
              _cdiv(jnp.max(jnp.where(sees_clean, start, 0)), bk))
     st_first, st_last = _start(qs, bs), _start(qs + bq - 1, bs)
-    noisy = (n_clean + _div(st_first, bk), n_clean + jnp.minimum(_cdiv(st_last + bs, bk), n_clean))
+    noisy = (n_q + _div(st_first, bk), jnp.minimum(n_q + _cdiv(st_last + bs, bk), (cfg.q_offset + 2 * tq) // bk))
     return [clean, noisy]
 
 
 def query_tile_range(cfg: FlashConfig, tq: int, ks, bk: int, bq: int, kv_last):
-    """(lo, hi) query tiles a key tile [ks, ks + bk) visits; ``kv_last`` [bk]: the last query slot
-    of each key's segment id."""
-    nq = tq // bq
+    """(lo, hi) local query tiles a key tile [ks, ks + bk) visits; ``kv_last`` [bk]: the last query
+    slot of each key's segment id (an upper bound is enough). Query slots start at ``q_offset``."""
+    nq, off = tq // bq, cfg.q_offset
+    local_tiles = lambda first, last: (_div(jnp.maximum(first - off, 0), bq),  # noqa: E731
+                                       jnp.minimum(_cdiv(jnp.maximum(last - off + 1, 0), bq), nq))
     if cfg.stream == "clean":  # key k: queries [k, last]
-        return _div(ks, bq), jnp.minimum(_div(jnp.max(kv_last), bq) + 1, nq)
+        return local_tiles(ks, jnp.max(kv_last))
     bs = cfg.block_size
     kv = ks + jnp.arange(bk, dtype=jnp.int32)
     # clean key k: queries [next block start, last] of its document; noisy key: queries of its block
     after = _start(kv, bs) + bs
     seen = after <= kv_last
-    lo_c = _div(jnp.min(jnp.where(seen, after, tq)), bq)
-    hi_c = jnp.minimum(_div(jnp.max(jnp.where(seen, kv_last, -bq)), bq) + 1, nq)
-    slot = ks - tq
+    lo_c, hi_c = local_tiles(jnp.min(jnp.where(seen, after, off + tq)), jnp.max(jnp.where(seen, kv_last, -1)))
+    slot = ks - (off + tq)
     lo_n = _div(_start(slot, bs), bq)
     hi_n = jnp.minimum(_cdiv(_start(slot + bk - 1, bs) + bs, bq), nq)
-    noisy = ks >= tq
+    noisy = ks >= off + tq
     return jnp.where(noisy, lo_n, lo_c), jnp.where(noisy, hi_n, hi_c)
 
 
@@ -153,7 +161,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, q_first_ref, o_ref, 
     qs = pl.program_id(0) * bq
     rows = pl.ds(qs, bq)
     q, q_seg = q_ref[...], q_seg_ref[rows]
-    q_slot = qs + jnp.arange(bq, dtype=jnp.int32)
+    q_slot = cfg.q_offset + qs + jnp.arange(bq, dtype=jnp.int32)
 
     def body(j, carry):
         acc, m, l = carry
@@ -203,7 +211,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     qs = pl.program_id(0) * bq
     rows = pl.ds(qs, bq)
     q, do, lse, delta, q_seg = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], q_seg_ref[rows]
-    q_slot = qs + jnp.arange(bq, dtype=jnp.int32)
+    q_slot = cfg.q_offset + qs + jnp.arange(bq, dtype=jnp.int32)
 
     def body(j, dq):
         cols = pl.ds(j * bk, bk)
@@ -233,7 +241,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
             dk, dv = carry
             rows = pl.ds(i * bq, bq)
             q, do = q_ref[rows, g, :], do_ref[rows, g, :]
-            q_slot = i * bq + jnp.arange(bq, dtype=jnp.int32)
+            q_slot = cfg.q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)
             p = _probs(cfg, tq, q, k, q_slot, q_seg_ref[rows], kv_idx, kv_seg, lse_ref[g, rows])
             ds = p * (_dot(do, v, (1, 1)) - delta_ref[g, rows][:, None])
             return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv + _dot(p.astype(do.dtype), do, (0, 0))
@@ -290,18 +298,19 @@ def _gpu_params(num_warps: int, num_stages: int):
     return params(num_warps=num_warps, num_stages=num_stages)
 
 
-def visible_pairs(stream: Stream, t: int, block_size: int) -> int:
+def visible_pairs(stream: Stream, t: int, block_size: int, q_offset: int = 0) -> int:
     """Visible (query, key) pairs of one head of a one-document row of length t (the mask's upper
-    bound; packed documents only remove pairs)."""
+    bound; packed documents only remove pairs); ``q_offset`` clean keys before the t queries (a
+    context shard's earlier keys) are visible to all of them."""
     if stream == "clean":
-        return t * (t + 1) // 2
+        return q_offset * t + t * (t + 1) // 2
     n = t // block_size  # block n's queries see n * block clean keys and their block's noisy keys
-    return block_size * block_size * (n * (n - 1) // 2) + t * block_size
+    return q_offset * t + block_size * block_size * (n * (n - 1) // 2) + t * block_size
 
 
 def _cost(cfg: FlashConfig, q, operands, results, matmuls: int) -> pl.CostEstimate:
     """Analytic cost: ``matmuls`` [pairs x D] products (2 flops each) and one exp2 per visible pair."""
     B, tq, H, D = q.shape
-    pairs = B * H * visible_pairs(cfg.stream, tq, cfg.block_size)
+    pairs = B * H * visible_pairs(cfg.stream, tq, cfg.block_size, cfg.q_offset)
     return pl.CostEstimate(flops=int(2 * matmuls * D * pairs + 6 * pairs), transcendentals=int(pairs),
                            bytes_accessed=nbytes(*operands) + nbytes(*results))

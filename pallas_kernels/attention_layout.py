@@ -34,13 +34,17 @@ def check_stream_inputs(who: str, q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream
         raise ValueError(f"{who}: segment_ids {segment_ids_BT.shape} must be [B, T] = {(b, t)}")
 
 
+def pad_rows(x: jax.Array, tp: int, fill=0) -> jax.Array:
+    """x [B, T, ...] -> [B, tp, ...]: slots T..tp-1 appended, holding ``fill``."""
+    return jnp.pad(x, ((0, 0), (0, tp - x.shape[1])) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
+
+
 def pad_stream_rows(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream: str, tp: int
                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Rows padded from T to ``tp`` slots: (q [B, tp, H, D], k, v [B, tp or 2 tp, K, D], q segment
     ids [B, tp] int32, kv segment ids [B, tp or 2 tp])."""
     t = q_BTHD.shape[1]
-    pad = lambda x, fill=0: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2),  # noqa: E731
-                                    constant_values=fill)
+    pad = lambda x, fill=0: pad_rows(x, tp, fill)  # noqa: E731
     seg = pad(segment_ids_BT.astype(jnp.int32), LANE_PAD_SEGMENT)
     if stream == "clean":
         return pad(q_BTHD), pad(k_BSKD), pad(v_BSKD), seg, seg

@@ -51,31 +51,36 @@ Stream = Literal["clean", "noisy"]
 class NoisyBlockMask(sa_mask._ComputableMask):
     """[T, 2T] static mask of noisy queries over clean || noisy keys (module docstring).
 
+    ``prefix`` = P > 0 (a context shard, :mod:`pallas_kernels.attention_context`): [T, P + 2T] over
+    P clean keys visible to every query (the other shards' keys), the T queries' own clean keys and
+    their noisy keys; query i has slot P + i.
+
     The q-side index the kernel hands to ``mask_function`` is each query's block start (``q_sequence``
     is set to ``slot - slot % block_size``), so the in-kernel mask is three integer comparisons, no
     division. Hashable (splash caches the mask processing by it)."""
 
-    def __init__(self, t: int, block_size: int):
-        if t % block_size:
-            raise ValueError(f"NoisyBlockMask: length {t} is not a multiple of block_size {block_size}")
-        self.t, self.block_size = int(t), int(block_size)
+    def __init__(self, t: int, block_size: int, prefix: int = 0):
+        if t % block_size or prefix % block_size:
+            raise ValueError(f"NoisyBlockMask: length {t} (prefix {prefix}) is not a multiple of block_size "
+                             f"{block_size}")
+        self.t, self.block_size, self.prefix = int(t), int(block_size), int(prefix)
 
         def noisy_block_mask(start, kv):
-            clean_ok = kv < start  # only clean keys: start <= query slot < T
+            clean_ok = kv < start  # only clean keys: start <= query slot < P + T
             noisy_ok = (kv >= start + self.t) & (kv < start + (self.t + self.block_size))
             return clean_ok | noisy_ok
 
-        super().__init__(shape=(self.t, 2 * self.t), mask_function=noisy_block_mask)
+        super().__init__(shape=(self.t, self.prefix + 2 * self.t), mask_function=noisy_block_mask)
         slots = np.arange(self.t, dtype=np.int32)
-        self.q_sequence = slots - slots % self.block_size
+        self.q_sequence = self.prefix + slots - slots % self.block_size
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, NoisyBlockMask):
             return NotImplemented
-        return (self.t, self.block_size) == (other.t, other.block_size)
+        return (self.t, self.block_size, self.prefix) == (other.t, other.block_size, other.prefix)
 
     def __hash__(self) -> int:
-        return hash((NoisyBlockMask, self.t, self.block_size))
+        return hash((NoisyBlockMask, self.t, self.block_size, self.prefix))
 
 
 def _tile(n: int) -> int:
@@ -90,12 +95,18 @@ def block_sizes_for(tq: int, tk: int) -> sa.BlockSizes:
                          block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
 
 
-def _kernel(stream: Stream, heads: int, tp: int, block_size: int, interpret: bool):
-    """The splash kernel of one stream for ``heads`` local query heads and padded length ``tp``."""
+def stream_mask(stream: Stream, tp: int, block_size: int, prefix: int = 0) -> sa_mask._ComputableMask:
+    """One head's static mask for ``tp`` queries after ``prefix`` clean keys they all see (a context
+    shard's gathered keys; 0 on one device): [tp, prefix + tp] causal or [tp, prefix + 2 tp] noisy."""
     if stream == "clean":
-        mask, tk = sa.CausalMask((tp, tp)), tp
-    else:
-        mask, tk = NoisyBlockMask(tp, block_size), 2 * tp
+        return sa.CausalMask((tp, prefix + tp), offset=prefix)
+    return NoisyBlockMask(tp, block_size, prefix)
+
+
+def _kernel(stream: Stream, heads: int, tp: int, block_size: int, interpret: bool, prefix: int = 0):
+    """The splash kernel of one stream for ``heads`` local query heads and padded length ``tp``."""
+    mask = stream_mask(stream, tp, block_size, prefix)
+    tk = mask.shape[1]
     return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=block_sizes_for(tp, tk),
                               head_shards=1, q_seq_shards=1, interpret=interpret)
 
@@ -125,12 +136,13 @@ def _at_default_precision(f, q, k, v, q_seg, kv_seg):
     return call(q, k, v, q_seg, kv_seg)
 
 
-def _per_device(stream: Stream, block_size: int, mode: bool | None):
-    """[B, H, Tp, D], [B, K, S, D] x2, q segments [B, Tp], kv segments [B, S] -> [B, H, Tp, D]."""
+def per_device(stream: Stream, block_size: int, mode: bool | None, prefix: int = 0):
+    """The kernel on one device's blocks: [B, H, Tp, D] (pre-scaled q), [B, K, S, D] x2, q segments
+    [B, Tp], kv segments [B, S] -> [B, H, Tp, D]; S = ``prefix`` + Tp (clean) or + 2 Tp (noisy)."""
 
     def run(q, k, v, q_seg, kv_seg, interpret: bool):
         def rows(q, k, v, q_seg, kv_seg):  # the kernel (its mask tables) is built inside every trace
-            kernel = _kernel(stream, q.shape[1], q.shape[2], block_size, interpret)
+            kernel = _kernel(stream, q.shape[1], q.shape[2], block_size, interpret, prefix)
             one = lambda q1, k1, v1, s1, s2: kernel(q1, k1, v1, segment_ids=sa.SegmentIds(s1, s2))  # noqa: E731
             return jax.vmap(one)(q, k, v, q_seg, kv_seg)
 
@@ -175,23 +187,33 @@ def splash_attention(
     Returns:
         [B, T, H, D] in q's dtype (softmax statistics and accumulation are fp32 inside the kernel).
     """
-    b, t, h, d = q_BTHD.shape
+    b, t = q_BTHD.shape[:2]
     kv = k_BSKD.shape[2]
     check_stream_inputs("splash_attention", q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream, block_size)
     tp = -(-t // LANES) * LANES
-    q, k, v, seg, kv_seg = pad_stream_rows(q_BTHD * jnp.asarray(d ** -0.5, q_BTHD.dtype), k_BSKD, v_BSKD,
-                                           segment_ids_BT, stream, tp)
-    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, H, D] <-> [B, H, T, D]
-    args = (heads_first(q), heads_first(k.astype(q.dtype)), heads_first(v.astype(q.dtype)), seg, kv_seg)
-    core = _per_device(stream, block_size if stream == "noisy" else 1, interpret)
+    args = pad_stream_rows(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream, tp)
+    core = lambda *a: splash_core(*a, stream=stream, block_size=block_size, interpret=interpret)  # noqa: E731
     mesh = gdn_sharding.active_mesh(mesh)
     if mesh is None:
         out = core(*args)
     else:
         b_axes, h_axes = gdn_sharding.gdn_mesh_axes(mesh, b, kv, batch_axes, head_axes)
-        heads, rows = P(b_axes, h_axes), P(b_axes)
+        heads, rows = P(b_axes, None, h_axes, None), P(b_axes)
         out = gdn_sharding.run_sharded(core, mesh, (heads, heads, heads, rows, rows), heads, *args)
-    return heads_first(out)[:, :t]
+    return out[:, :t]
+
+
+def splash_core(q, k, v, q_seg, kv_seg, *, stream: Stream, block_size: int, interpret: bool | None,
+                prefix: int = 0) -> jax.Array:
+    """The kernel on one device's blocks in the model's layout: q [B, Tp, H, D] (unscaled), k, v
+    [B, S, K, D], q_seg [B, Tp], kv_seg [B, S] int32, Tp a whole number of tiles, S = ``prefix`` +
+    Tp (clean) or + 2 Tp (noisy), the queries after ``prefix`` clean keys (``stream_mask``).
+    Returns [B, Tp, H, D]."""
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, H, D] <-> [B, H, T, D]
+    q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    core = per_device(stream, block_size if stream == "noisy" else 1, interpret, prefix)
+    out = core(heads_first(q), heads_first(k.astype(q.dtype)), heads_first(v.astype(q.dtype)), q_seg, kv_seg)
+    return heads_first(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,22 +223,24 @@ def splash_attention(
 _TILE_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
 
 
-def active_tiles(stream: Stream, tp: int, block_size: int) -> int:
+def active_tiles(stream: Stream, tp: int, block_size: int, prefix: int = 0) -> int:
     """Tiles of one head's [Tp, S] mask that splash runs (not all masked), at ``block_sizes_for``:
     counted by splash's own mask processing, the same tables the kernel walks."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as sa_info
 
-    mask = sa.CausalMask((tp, tp)) if stream == "clean" else NoisyBlockMask(tp, block_size)
+    mask = stream_mask(stream, tp, block_size, prefix)
     bs = block_sizes_for(tp, mask.shape[1])
     info, _ = sa_info.process_mask(sa.MultiHeadMask([mask]), (bs.block_q, bs.block_kv))
     return int(np.count_nonzero(info.block_mask))
 
 
 def kernel_cost(name: str, operands: tuple, results: tuple, estimate: object = None, *,
-                block_size: int) -> tuple[float, float] | None:
+                block_size: int, context: int = 1) -> tuple[float, float] | None:
     """(FLOPs, bytes) of one compiled splash call named ``splash_mha_{fwd,dq,dkv}...`` (the
     ``kernel_cost`` hook of `train.hlo_cost`): matmul FLOPs of the tiles the kernel runs for the
     stream its shapes name (S = 2T: noisy, with the training ``block_size``), x batch x query heads;
+    with the row over ``context`` shards (each shard's Tp queries after the (context - 1) Tp keys of
+    the others): S = context Tp clean, (context + 1) Tp noisy;
     bytes = its operands and results read / written once. None for any other kernel (``estimate``,
     the call's own cost estimate, is unused: splash reports none).
 
@@ -228,8 +252,10 @@ def kernel_cost(name: str, operands: tuple, results: tuple, estimate: object = N
         return None
     (h, tp, d), s = arrays[0].dims[-3:], arrays[1].dims[-2]
     b = math.prod(arrays[0].dims[:-3])  # the vmapped rows (squeezed away when one)
-    stream: Stream = "noisy" if s == 2 * tp else "clean"
+    stream: Stream = "noisy" if s == (context + 1) * tp else "clean"
+    if stream == "clean" and s != context * tp:
+        return None
     bs = block_sizes_for(tp, s)
-    tiles = active_tiles(stream, tp, block_size if stream == "noisy" else 1)
+    tiles = active_tiles(stream, tp, block_size if stream == "noisy" else 1, prefix=(context - 1) * tp)
     flops = 2.0 * _TILE_MATMULS[m.group(1)] * tiles * bs.block_q * bs.block_kv * d * b * h
     return flops, float(sum(a.bytes for a in (*operands, *results)))

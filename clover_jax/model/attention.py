@@ -6,7 +6,8 @@ TPU splash kernel, the GPU flash kernel or the jnp reference (`attend` over an e
 [B, Tq, Tk], built by a pure function of slots and segment ids). Prefill, decoding and the
 decode-side block steps keep the dense reference: their masks index a cache, and their query
 blocks are short. With the row's sequence sharded over the `context` mesh axis, both training
-streams run `pallas_kernels.attention_context` (all-gathered K/V, the reference core per shard).
+streams run `pallas_kernels.attention_context` (all-gathered K/V, the same backend per shard, one
+exchange for both streams; the dense masks are not used).
 Keys come either from the current tokens (training forward) or from a preallocated KV cache that
 the current tokens are first written into (prefill and decode: one code path for both).
 """
@@ -27,8 +28,8 @@ from pallas_kernels.attention_reference import (  # noqa: F401  (re-exported: th
     noisy_query_mask,
     two_stream_masks,
 )
-from pallas_kernels.attention_context import context_stream_attention
-from pallas_kernels.attention_dispatch import stream_attention
+from pallas_kernels.attention_context import context_two_stream_attention
+from pallas_kernels.attention_dispatch import resolve_attn_backend, stream_attention
 from pallas_kernels.gdn_context import context_size
 
 
@@ -113,7 +114,7 @@ class Attention(nnx.Module):
             cache = {"k": k_all, "v": v_all}
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
         if cache is None and context_size() > 1:  # T sharded over the `context` mesh axis
-            out = context_stream_attention(q, k, v, ctx["segment_ids"], stream="clean")
+            out = stream_attention(q, k, v, ctx["segment_ids"], stream="clean", backend=self.backend)
         elif "mask" in ctx:  # a cache, or the reference backend: the dense mask is given
             out = attend(q, k, v, ctx["mask"])
         else:  # the clean forward without a cache on a kernel backend
@@ -130,10 +131,10 @@ class Attention(nnx.Module):
         q, gate = self.project_q(x_BSD, cos2, sin2)
         k, v = self.project_kv(x_BSD, cos2, sin2)
         t, seg = ctx["cos"].shape[1], ctx["segment_ids"]
-        if context_size() > 1:  # each stream's T sharded over the `context` mesh axis
-            out_c = context_stream_attention(q[:, :t], k[:, :t], v[:, :t], seg, stream="clean")
-            out_n = context_stream_attention(q[:, t:], k, v, seg, stream="noisy", block_size=ctx["block_size"])
-            return self.output(jnp.concatenate([out_c, out_n], axis=1), gate)
+        if context_size() > 1:  # each stream's T over the `context` axis: one K/V exchange for both
+            out = context_two_stream_attention(q, k, v, seg, block_size=ctx["block_size"],
+                                               backend=resolve_attn_backend(self.backend))
+            return self.output(out, gate)
         out_c = stream_attention(q[:, :t], k[:, :t], v[:, :t], seg, stream="clean", backend=self.backend,
                                  mask_BTS=ctx.get("mask"))
         out_n = stream_attention(q[:, t:], k, v, seg, stream="noisy", block_size=ctx["block_size"],

@@ -1,6 +1,7 @@
 """Attention over a sequence-sharded row (pallas_kernels/attention_context.py) against the one-device
 reference of both training streams: values and dq, dk, dv, with packed documents crossing shard
-boundaries, pads and GQA, on (fsdp, context) meshes of the 8 simulated CPU devices."""
+boundaries, pads and GQA, on (fsdp, context) meshes of the 8 simulated CPU devices: the jnp
+reference per shard, and the splash / flash kernels per shard (interpret mode) through the dispatch."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_kernels.attention_context import context_stream_attention
+from pallas_kernels.attention_context import context_stream_attention, context_two_stream_attention
+from pallas_kernels.attention_dispatch import stream_attention
 from pallas_kernels.attention_reference import clean_attention_ref, noisy_attention_ref
 from tests.model.parity_utils import FP32_REL, assert_rel_close, fast_jit
 
@@ -53,6 +55,56 @@ def test_context_attention_equals_one_device(stream, block, context):
     assert_rel_close(got, want, FP32_REL, f"{stream} b{block} c{context} output")
     for name, a, b in zip("qkv", got_g, want_g):
         assert_rel_close(a, b, FP32_REL, f"{stream} b{block} c{context} d{name}")
+
+
+# with the two-stream test below: each backend at context 2, 4 and 8, both streams, blocks 4 and 32 (a
+# shard of 8 tokens at context 8 is padded to a whole tile: 128 for splash, 32 for flash's fp32 tiles)
+KERNEL_CASES = [("splash", "clean", 1, 8), ("splash", "noisy", 32, 2), ("flash", "clean", 1, 4),
+                ("flash", "noisy", 4, 8)]
+
+
+@pytest.mark.parametrize("backend,stream,block,context", KERNEL_CASES)
+def test_context_kernels_equal_one_device_reference(backend, stream, block, context):
+    """The dispatch with a kernel backend under a context mesh (each shard's K/V padded, gathered and
+    rolled; the kernel per shard, interpreted) equals the dense reference on one device: values and
+    dq / dk / dv at FP32_REL of the largest entry (the acceptance asks 1e-5 / 1e-4; errors are ~4e-7)."""
+    q, k, v, w = _inputs(stream)
+    seg = jnp.asarray(SEG)
+    want, want_g = _vg(lambda q, k, v: stream_attention(q, k, v, seg, stream=stream, block_size=block,
+                                                        backend="reference"), q, k, v, w)
+    mesh = jax.make_mesh((8 // context, context), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        tok = NamedSharding(mesh, P(None, "context"))
+        args = [jax.device_put(x, tok) for x in (q, k, v, w)]
+        got, got_g = _vg(lambda q, k, v: stream_attention(q, k, v, jax.device_put(seg, tok), stream=stream,
+                                                          block_size=block, backend=backend), *args)
+    what = f"{backend} {stream} b{block} c{context}"
+    assert_rel_close(got, want, FP32_REL, f"{what} output")
+    for name, a, b in zip("qkv", got_g, want_g):
+        assert_rel_close(a, b, FP32_REL, f"{what} d{name}")
+
+
+@pytest.mark.parametrize("backend,block,context", [("splash", 4, 4), ("flash", 32, 2)])
+def test_context_two_streams_over_one_exchange_equal_one_device(backend, block, context):
+    """The model's two-stream call under a context mesh (both streams in one shard_map, one K/V
+    exchange): [B, 2T] clean || noisy queries, keys and values; output and dq, dk, dv equal the two
+    one-device reference streams."""
+    ks = jax.random.split(jax.random.key(2), 4)
+    q, w = jax.random.normal(ks[0], (B, 2 * T, H, D)), jax.random.normal(ks[3], (B, 2 * T, H, D))
+    k, v = jax.random.normal(ks[1], (B, 2 * T, K, D)), jax.random.normal(ks[2], (B, 2 * T, K, D))
+    seg = jnp.asarray(SEG)
+    ref = lambda q, k, v: jnp.concatenate([clean_attention_ref(q[:, :T], k[:, :T], v[:, :T], seg),  # noqa: E731
+                                           noisy_attention_ref(q[:, T:], k, v, seg, block)], axis=1)
+    want, want_g = _vg(ref, q, k, v, w)
+    mesh = jax.make_mesh((8 // context, context), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        tok = NamedSharding(mesh, P(None, "context"))
+        got, got_g = _vg(lambda q, k, v: context_two_stream_attention(q, k, v, jax.device_put(seg, tok), block_size=block,
+                                                                      backend=backend), q, k, v, w)
+    what = f"{backend} two streams b{block} c{context}"
+    assert_rel_close(got, want, FP32_REL, f"{what} output")
+    for name, a, b in zip("qkv", got_g, want_g):
+        assert_rel_close(a, b, FP32_REL, f"{what} d{name}")
 
 
 def test_context_attention_checks_the_split():

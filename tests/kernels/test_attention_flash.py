@@ -92,3 +92,25 @@ def test_cuda_lowering_fwd_bwd_at_model_shapes(stream):
     txt = lower_cuda(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), *args)
     assert txt.count("xla.gpu.triton") == 3, txt.count("xla.gpu.triton")
     assert "tpu_custom_call" not in txt
+
+
+@pytest.mark.parametrize("stream", ["clean", "noisy"])
+def test_cuda_lowering_of_a_context_shard(stream):
+    """A context shard's kernels (`pallas_kernels.attention_context_kernels`: the shard's queries after
+    the other shards' keys, ``q_offset`` > 0) at the 35B layer's shapes, a 32K row over 8 shards:
+    4096 queries after 28672 gathered keys, bf16, block 32: forward, dq, dk/dv lower to Triton for CUDA."""
+    from pallas_kernels.attention_flash import flash_core
+
+    tq, off = 4096, 7 * 4096
+    s = off + tq * (1 if stream == "clean" else 2)
+    bf = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((1, tq, 16, 256), bf), jax.ShapeDtypeStruct((1, s, 2, 256), bf),
+            jax.ShapeDtypeStruct((1, s, 2, 256), bf), jax.ShapeDtypeStruct((1, tq), jnp.int32),
+            jax.ShapeDtypeStruct((1, s), jnp.int32))
+    cfg = FlashConfig(stream=stream, block_size=32 if stream == "noisy" else 1, scale=256 ** -0.5, q_offset=off)
+
+    def loss(q, k, v, q_seg, kv_seg):
+        return jnp.sum(jnp.square(flash_core(q, k, v, q_seg, kv_seg, cfg=cfg, interpret=None).astype(jnp.float32)))
+
+    txt = lower_cuda(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), *args)
+    assert txt.count("xla.gpu.triton") == 3, txt.count("xla.gpu.triton")

@@ -75,3 +75,47 @@ def test_visible_pairs_counts_a_one_document_row(stream, block):
     clean, noisy = two_stream_masks(jnp.ones((1, T), jnp.int32), block)
     mask = clean if stream == "clean" else noisy
     assert visible_pairs(stream, T, block) == int(mask.sum())
+
+
+def _shard_layout(stream: str, block: int, seg: np.ndarray, n: int, i: int):
+    """Shard i of n (Tl = T / n, no padding) in the context layout of pallas_kernels.attention_context_kernels,
+    built here from its definition: keys = the pieces i+1..n-1 (their ids replaced by one no query holds),
+    0..i-1, i (|| the shard's own noisy keys); returns (q_offset, q ids, key ids, the global reference
+    mask's rows of the shard with its columns in that key order)."""
+    tl = T // n
+    order = np.concatenate([np.arange(p * tl, (p + 1) * tl) for p in [*range(i + 1, n), *range(i + 1)]])
+    kv_seg = np.where(np.arange(T) < (n - 1 - i) * tl, -99, seg[order])
+    mask = _reference_mask(stream, block, seg)[i * tl:(i + 1) * tl]
+    if stream == "noisy":  # the shard's own noisy keys: global noisy slots T + [i Tl, (i + 1) Tl)
+        order = np.concatenate([order, T + np.arange(i * tl, (i + 1) * tl)])
+        kv_seg = np.concatenate([kv_seg, seg[i * tl:(i + 1) * tl]])
+    return (n - 1) * tl, seg[i * tl:(i + 1) * tl], kv_seg, mask[:, order]
+
+
+@pytest.mark.parametrize("stream,block", [("clean", 1), ("noisy", 4), ("noisy", 32)])
+@pytest.mark.parametrize("n,i", [(4, 0), (4, 2), (4, 3), (2, 1)])
+def test_context_shard_rule_and_tiles(stream, block, n, i):
+    """A context shard (``q_offset``: its queries after the other shards' keys): the in-kernel mask is
+    the one-device row's mask on the shard's queries and the same keys (reordered), and the programs
+    visit exactly the tiles with a visible pair (contiguous documents; future keys and finished
+    documents skipped)."""
+    seg = SEG_CONTIGUOUS
+    off, q_seg, kv_seg, want = _shard_layout(stream, block, seg, n, i)
+    cfg = FlashConfig(stream=stream, block_size=block, q_offset=off)
+    tq, s = len(q_seg), len(kv_seg)
+    got = visible(cfg, tq, off + jnp.arange(tq), jnp.asarray(q_seg), jnp.arange(s), jnp.asarray(kv_seg))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    bq = bk = 16
+    needed = _tiles_needed(want, bq, bk)
+    first, last = (np.asarray(a)[0] for a in doc_extents(jnp.asarray(kv_seg[:off + tq])[None]))
+    by_query, by_key = np.zeros_like(needed), np.zeros_like(needed)
+    for a in range(tq // bq):
+        for lo, hi in key_tile_ranges(cfg, tq, a * bq, bq, bk, first[off + a * bq:off + (a + 1) * bq]):
+            by_query[a, int(lo):int(hi)] = True
+    last_kv = last if stream == "clean" else np.concatenate([last, last[off:]])
+    for j in range(needed.shape[1]):
+        lo, hi = query_tile_range(cfg, tq, j * bk, bk, bq, last_kv[j * bk:(j + 1) * bk])
+        by_key[int(lo):int(hi), j] = True
+    np.testing.assert_array_equal(by_query, needed)
+    np.testing.assert_array_equal(by_key, needed)
+    assert visible_pairs(stream, tq, block, off) >= int(want.sum())

@@ -54,3 +54,30 @@ def test_hook_costs_splash_and_scales_grouped_matmuls():
     assert hook("splash_mha_fwd_x", ops, (), None)[0] == fwd
     squeezed = (ops[0], *(arr(a.dtype, *a.dims[1:]) for a in ops[1:]))  # one row: the vmapped dim squeezed
     assert kernel_cost("splash_mha_fwd_y", squeezed, (), None, block_size=32)[0] == fwd / b
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_splash_tiles_of_a_context_shard(n):
+    """A context shard's kernel (its tp queries after the (n - 1) tp keys of the other shards): the
+    tiles splash runs are the tiles of the shard's mask, counted by brute force, and the hook tells
+    the streams apart by S = n tp (clean) or (n + 1) tp (noisy)."""
+    tp, bs, d = 512, 32, 64
+    pre = (n - 1) * tp
+    q = np.arange(tp)[:, None]
+
+    def brute(s, mask):
+        b = block_sizes_for(tp, s)
+        return int(mask.reshape(tp // b.block_q, b.block_q, s // b.block_kv, b.block_kv).any(axis=(1, 3)).sum())
+
+    k = np.arange(pre + tp)[None, :]
+    clean = brute(pre + tp, k <= pre + q)
+    k = np.arange(pre + 2 * tp)[None, :]
+    noisy = brute(pre + 2 * tp, np.where(k < pre + tp, k < pre + q - q % bs, (k - pre - tp) // bs == q // bs))
+    assert active_tiles("clean", tp, 1, prefix=pre) == clean
+    assert active_tiles("noisy", tp, bs, prefix=pre) == noisy
+    arr = lambda *dims: SimpleNamespace(dtype="bf16", dims=dims, bytes=2 * int(np.prod(dims)))  # noqa: E731
+    for s, tiles in ((pre + tp, clean), (pre + 2 * tp, noisy)):
+        b = block_sizes_for(tp, s)
+        got, _ = kernel_cost("splash_mha_fwd_z", (arr(1, 4, tp, d), arr(1, 2, s, d)), (), None, block_size=bs,
+                             context=n)
+        assert got == 2 * 2 * tiles * b.block_q * b.block_kv * d * 4

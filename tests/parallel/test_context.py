@@ -169,7 +169,8 @@ def test_sft_step_with_context_compiles_for_tpu():
     at the smallest widths that keep both mixers (the `tiny` preset, 2 layers, 2 rows x 64 tokens:
     one 32-block and two GDN chunks per shard): it compiles and fits, and the program holds the
     context exchanges (the conv halo and entry-segment `ppermute`s, the K/V and shard-map
-    all-gathers). It only has to prove the context step compiles for a TPU topology."""
+    all-gathers), and the attention runs the splash kernels per shard (the recipe's TPU backend under
+    a context mesh). It only has to prove the context step compiles for a TPU topology."""
     import launch
 
     recipe = ["model.preset=tiny", "model.num_hidden_layers=2", "model.layer_types=[linear_attention,full_attention]",
@@ -179,3 +180,4 @@ def test_sft_step_with_context_compiles_for_tpu():
     assert p.compiled and p.fits and p.mesh_shape["context"] == 2
     hlo = p.executable.as_text()
     assert "collective-permute" in hlo and "all-gather" in hlo
+    assert all(f"%splash_mha_{k}" in hlo for k in ("fwd", "dq", "dkv")), "no splash kernel per context shard"
