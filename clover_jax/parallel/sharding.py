@@ -46,7 +46,7 @@ DEFAULT_RULES: Rules = (
     ("act_heads", ("tensor",)),
     ("act_vocab", ("tensor",)),
     # parameters
-    ("embed", ("fsdp",)),
+    ("embed", ("fsdp", "context")),  # the context axis shards weights too (FSDP over both), as MaxText
     ("vocab", ("tensor",)),
     ("heads", ("tensor",)),
     ("q_heads", ("tensor",)),

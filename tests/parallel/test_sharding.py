@@ -53,6 +53,11 @@ def test_rule_table_names_every_param_axis(mode):
     assert g1["attn"]["q_norm"]["scale"] == P(None, None)
     if mode == "block":
         assert g0["gdn"]["bd_gdn_softmax_scalars"] == P(None, "tensor", None)
+    # under context parallelism the context axis shards the weights too (FSDP over fsdp x context): a
+    # row's shards hold different tokens but would otherwise each hold a whole fsdp shard of the model
+    ctx = sh.param_specs(model, sh.make_mesh(sh.MeshConfig(fsdp=2, context=4)))
+    assert ctx["embed"]["embedding"] == P(None, ("fsdp", "context"))
+    assert ctx["groups"]["layer_1"]["attn"]["q_proj"]["kernel"] == P(None, ("fsdp", "context"), None)
 
 
 def test_logical_to_spec_fallback_warns_and_never_crashes():
