@@ -29,6 +29,13 @@ def _readout_forward_matmul_flops() -> float:
     return B * H * (T // BK) * (2 * BK * BK * K + 2 * BK * BK * V + 2 * BK * K * V)
 
 
+def _mid_readout_forward_matmul_flops() -> float:
+    """Blocks of 32 inside chunks of 64, per chunk: the sweep's qn S, Mn = qn k^T and Mn delta (every
+    block-start state read from the chunk's start state and deltas), the noisy kernel's qn kn^T and
+    P vn on the chunk's 64-row tile (its two blocks masked apart)."""
+    return B * H * (T // C) * (2 * C * K * V + 2 * C * C * K + 2 * C * C * V + 2 * C * C * K + 2 * C * C * V)
+
+
 def _tpu_flops(fn, *args) -> float:
     dev = topology_devices(parse_topology("v5p-8"))[0]
     sh = jax.sharding.SingleDeviceSharding(dev)
@@ -49,13 +56,16 @@ def test_gdn_kernels_report_their_flops_to_xla():
     def causal(q, k, v, g, b):
         return chunk_gated_delta_rule_pallas(q, k, v, g, b, chunk_size=C)[0]
 
-    def block(q, k, v, g, b, qn, kn, vn, s):
-        return block_gated_delta_rule_pallas(q, k, v, g, b, qn, kn, vn, s, block_size=BK, chunk_size=C)[:2]
+    def block(q, k, v, g, b, qn, kn, vn, s, bk=BK):
+        return block_gated_delta_rule_pallas(q, k, v, g, b, qn, kn, vn, s, block_size=bk, chunk_size=C)[:2]
 
     got = _tpu_flops(causal, q, q, v, g, g)
     want = _phase_forward_matmul_flops()
     assert want <= got <= 1.1 * want, (got, want)
     got = _tpu_flops(block, q, q, v, g, g, q, q, v, scal)
     want = _phase_forward_matmul_flops() + _readout_forward_matmul_flops()
+    assert want <= got <= 1.1 * want, (got, want)
+    got = _tpu_flops(lambda *a: block(*a, bk=32), q, q, v, g, g, q, q, v, scal)
+    want = _phase_forward_matmul_flops() + _mid_readout_forward_matmul_flops()
     assert want <= got <= 1.1 * want, (got, want)
     assert np.isfinite(got)
