@@ -97,13 +97,21 @@ def _prepare_tiles(segment_ids, scalars_H3, aux, B: int, T: int, H: int, plan: B
     return jnp.stack(rows, axis=-2)
 
 
-def _old_auxn(auxn, plan: BlockPlan):
-    """The fused kernel's per-block auxn [B, H, NB, AUX, Bk] from the tiles (a free reshape when R = Bk)."""
+def _old_auxn(auxn, plan: BlockPlan, T: int):
+    """The fused kernel's per-block auxn [B, H, T / Bk, AUX, Bk] from the tiles (the blocks past T,
+    padding of the phase layout, dropped; a free reshape when R = Bk and nothing is padded)."""
     B, H, NT, A, R = auxn.shape
     m = R // plan.block
-    if m == 1:
-        return auxn
-    return auxn.reshape(B, H, NT, A, m, plan.block).swapaxes(3, 4).reshape(B, H, NT * m, A, plan.block)
+    out = auxn.reshape(B, H, NT, A, m, plan.block).swapaxes(3, 4).reshape(B, H, NT * m, A, plan.block)
+    return out[:, :, :T // plan.block]
+
+
+def _tiles_from_old(dauxn_old, auxn_shape, plan: BlockPlan):
+    """The inverse of ``_old_auxn`` for its cotangent (zeros for the dropped blocks)."""
+    B, H, NT, A, R = auxn_shape
+    m = R // plan.block
+    d = jnp.pad(dauxn_old, ((0, 0), (0, 0), (0, NT * m - dauxn_old.shape[2]), (0, 0), (0, 0)))
+    return d.reshape(B, H, NT, m, A, plan.block).swapaxes(3, 4).reshape(auxn_shape)
 
 
 def _old_make(cfg_old, H, HK, K, V, r, backward: bool):
@@ -138,7 +146,8 @@ def _forward_make(cfg, cfg_old, plan: BlockPlan, H, HK, K, V):
             def call(q, k, v, aux, s0, qn, kn, vn, auxn, aux_old):
                 Tn, Tp = aux_old.shape[2] * aux_old.shape[-1], q.shape[1]
                 rv = lambda x: _to_value_heads(x[:, :Tn], H, K)  # noqa: E731
-                final, o, on = old(rv(q), rv(k), v[:, :Tn], aux_old, s0, rv(qn), rv(kn), vn[:, :Tn], _old_auxn(auxn, plan))
+                final, o, on = old(rv(q), rv(k), v[:, :Tn], aux_old, s0, rv(qn), rv(kn), vn[:, :Tn],
+                                   _old_auxn(auxn, plan, Tn))
                 pad = lambda x: jnp.pad(x, ((0, 0), (0, Tp - Tn), (0, 0)))  # noqa: E731
                 B, _, N = aux.shape[:3]
                 return (pad(o), pad(on), final, jnp.zeros((B, H, N, C, C), f32),
@@ -171,13 +180,12 @@ def _backward_make(cfg, cfg_old, plan: BlockPlan, H, HK, K, V):
                 qv, kv, qnv, knv = rv(q), rv(k), rv(qn), rv(kn)
                 _, states = states_make(qv, kv, v[:, :Tn], aux_old, s0)
                 dq, dk, dv, daux_old, ds0, dqn, dkn, dvn, dauxn = old(
-                    qv, kv, v[:, :Tn], aux_old, states, dO[:, :Tn], dfin, qnv, knv, vn[:, :Tn], _old_auxn(auxn, plan),
+                    qv, kv, v[:, :Tn], aux_old, states, dO[:, :Tn], dfin, qnv, knv, vn[:, :Tn], _old_auxn(auxn, plan, Tn),
                     dOn[:, :Tn])
                 pad = lambda x: jnp.pad(x, ((0, 0), (0, Tp - Tn), (0, 0)))  # noqa: E731
                 keys = lambda x: pad(_to_key_heads(x.astype(f32), HK, K).astype(q.dtype))  # noqa: E731
-                dauxn = dauxn.reshape(auxn.shape[:3] + (-1,) + dauxn.shape[-2:]).swapaxes(3, 4).reshape(auxn.shape)
-                return (keys(dq), keys(dk), pad(dv), jnp.zeros_like(aux), ds0, keys(dqn), keys(dkn), pad(dvn), dauxn,
-                        daux_old)
+                return (keys(dq), keys(dk), pad(dv), jnp.zeros_like(aux), ds0, keys(dqn), keys(dkn), pad(dvn),
+                        _tiles_from_old(dauxn, auxn.shape, plan), daux_old)
             return call
 
         def call(q, k, v, aux, s0, qn, kn, vn, auxn, aux_old, T, ph, dO, dOn, dfin):
