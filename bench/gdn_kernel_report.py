@@ -9,7 +9,11 @@ the 35B GDN layer's tile shapes: C = 64, dk = dv = 128, bf16 q/k/v, 32 value / 1
   matmul shapes (M x K x N) with their MXU fill, (K / ceil128(K)) * (N / ceil128(N)) for a 128 x 128
   tile (contraction x output lanes);
 - residual bytes per layer per row at 8K and 128K tokens: what the forward keeps for the backward
-  (custom_vjp residuals) plus the backward's transient per-chunk states (after: and their cotangents).
+  (custom_vjp residuals) plus the backward's transient per-chunk states (after: and their cotangents);
+- block mode at Clover's block 32 (both streams, fwd + bwd): before, the fused one-sweep kernels
+  with chunk 32 forced (q, k repeated); after, the phase kernels with chunks of 64 and two
+  block-start readouts per chunk inside the sweep. Sequential matmuls are also given per 64 tokens,
+  the unit that compares the two chunk lengths.
 
     python bench/gdn_kernel_report.py [--out bench/results/gdn_kernel_report.json]
 """
@@ -25,12 +29,15 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import gdn_block_pallas_calls as old_block_calls
 from pallas_kernels import gdn_pallas_calls as old_calls
 from pallas_kernels import gdn_phase_calls as new_calls
 from pallas_kernels.gdn_chunk_math import AUX_WIDTH
 from pallas_kernels.gdn_pallas_calls import KernelConfig
 
-SEQUENTIAL = {"gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_sweep", "gdn_state_bwd"}
+SEQUENTIAL = {"gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_sweep", "gdn_state_bwd", "gdn_block_fwd", "gdn_block_bwd",
+              "gdn_block_sweep", "gdn_block_state_bwd"}
+BLOCK = 32
 MXU = 128
 
 
@@ -101,7 +108,7 @@ def kernel_rows(fn, *args, per_row_heads: int, rep: int = 1) -> list[dict]:
         rows.append(dict(
             kernel=name, sequential=name in SEQUENTIAL,
             # the parallel backward's grid runs over key heads, rep value heads per step
-            steps_per_row_head=math.prod(grid) * (rep if name == "gdn_parallel_bwd" else 1) // per_row_heads,
+            steps_per_row_head=math.prod(grid) * (rep if name.endswith("parallel_bwd") else 1) // per_row_heads,
             matmuls_per_step=len(dots), dependent_matmuls_per_step=chain,
             matmul_shapes=[f"{m}x{k}x{n}" for m, k, n in shapes],
             mxu_fill_mean=round(sum(fill(d) for d in dots) / max(len(dots), 1), 3),
@@ -152,6 +159,52 @@ def after(B, T, H, HK, K, V, C):
     return rows
 
 
+def _noisy(x, B, T, H, HK, K, V, R):
+    sd = jax.ShapeDtypeStruct
+    return dict(qn=sd((B, T, HK * K), jnp.bfloat16), auxn=sd((B, H, T // R, AUX_WIDTH, R), jnp.float32),
+                ph=sd((B, H, T // R, 1, R), jnp.float32), vn=x["v"], dOn=x["dO"])
+
+
+def block_before(B, T, H, HK, K, V, C):
+    """The fused block kernels: chunk = block 32 (it must tile the block grid), q / k repeated."""
+    x = shapes(B, T, H, H, K, V, BLOCK)
+    n = _noisy(x, B, T, H, H, K, V, BLOCK)
+    cfg = KernelConfig(chunk_size=BLOCK, scale=K ** -0.5, low_dtype="bfloat16")
+    kw = dict(cfg=cfg, form="tpu", interpret=False)
+
+    def fwd_bwd(q, k, v, aux, s0, dO, qn, auxn):
+        final, o, on = old_block_calls.block_forward_call(q, k, v, aux, s0, qn, qn, v, auxn, r=1, **kw)
+        _, st = old_calls.forward_call(q, k, v, aux, s0, with_o=False, with_states=True, **kw)
+        return o, on, old_block_calls.block_backward_call(q, k, v, aux, st, dO, final, qn, qn, v, auxn, dO, r=1, **kw)
+    rows = kernel_rows(fwd_bwd, x["q"], x["k"], x["v"], x["aux"], x["s0"], x["dO"], n["qn"], n["auxn"],
+                       per_row_heads=B * H)
+    rows[1]["kernel"] += " (state recompute)"
+    return rows
+
+
+def block_after(B, T, H, HK, K, V, C):
+    x = shapes(B, T, H, HK, K, V, C)
+    n = _noisy(x, B, T, H, HK, K, V, C)
+    cfg = KernelConfig(chunk_size=C, scale=K ** -0.5, low_dtype="bfloat16")
+    kw = dict(cfg=cfg, interpret=False)
+    plan = new_calls.BlockPlan(BLOCK, C)
+
+    def fwd_bwd(q, k, v, aux, s0, dO, qn, auxn, ph):
+        Tinv, w, u = new_calls.intra_call(k, v, aux, K=K, **kw)
+        final, o, r = new_calls.sweep_call(q, k, w, u, aux, s0, noisy=(qn, auxn, plan), **kw)
+        on, _ = new_calls.noisy_forward_call(qn, qn, v, auxn, r, K=K, **kw)
+        w2, u2 = new_calls.intra_call(k, v, aux, K=K, T_in=Tinv, **kw)
+        _, st = new_calls.sweep_call(q, k, w2, u2, aux, s0, with_o=False, with_states=True, **kw)
+        dst, ds0 = new_calls.state_backward_call(q, k, w2, aux, dO, final, noisy=(qn, auxn, ph, dO, plan), **kw)
+        return o, on, new_calls.parallel_backward_call(q, k, v, aux, Tinv, w2, u2, st, dst, dO,
+                                                       noisy=(qn, qn, v, auxn, dO, plan), **kw)
+    rows = kernel_rows(fwd_bwd, x["q"], x["k"], x["v"], x["aux"], x["s0"], x["dO"], n["qn"], n["auxn"], n["ph"],
+                       per_row_heads=B * H, rep=H // HK)
+    rows[3]["kernel"] += " (WY recompute)"
+    rows[4]["kernel"] += " (state recompute)"
+    return rows
+
+
 def residual_bytes(T: int, H: int, HK: int, K: int, V: int, C: int) -> dict:
     """Per layer, per row: the custom_vjp residuals and the backward's transient per-chunk states."""
     N = -(-T // C)
@@ -169,18 +222,23 @@ def main(argv=None) -> dict:
     p.add_argument("--T", type=int, default=8192, help="tokens of the traced kernels (structure does not depend on it)")
     a = p.parse_args(argv)
     H, HK, K, V, C = 32, 16, 128, 128, 64
-    report = dict(shapes=dict(T=a.T, H=H, HK=HK, dk=K, dv=V, C=C, dtype="bfloat16"),
+    report = dict(shapes=dict(T=a.T, H=H, HK=HK, dk=K, dv=V, C=C, dtype="bfloat16", block=BLOCK),
                   before=before(1, a.T, H, HK, K, V, C), after=after(1, a.T, H, HK, K, V, C),
+                  block_before=block_before(1, a.T, H, HK, K, V, C), block_after=block_after(1, a.T, H, HK, K, V, C),
                   residual_bytes={f"{t // 1024}K": residual_bytes(t, H, HK, K, V, C) for t in (8192, 131072)})
-    for side in ("before", "after"):
+    for side in ("before", "after", "block_before", "block_after"):
         print(f"\n{side}: kernel | seq | steps/(row,head) | matmuls/step | dependent | mean MXU fill | shapes")
         for r in report[side]:
             print(f"  {r['kernel']:<32} {'seq' if r['sequential'] else 'par':<4} {r['steps_per_row_head']:>6} "
                   f"{r['matmuls_per_step']:>4} {r['dependent_matmuls_per_step']:>4} {r['mxu_fill_mean']:>6}  "
                   f"{' '.join(r['matmul_shapes'])}")
         seq = [r for r in report[side] if r["sequential"]]
+        per64 = lambda key: sum(r[key] * r["steps_per_row_head"] for r in seq) * 64 // a.T  # noqa: E731
+        report[f"{side}_sequential_per_64_tokens"] = dict(matmuls=per64("matmuls_per_step"),
+                                                         dependent=per64("dependent_matmuls_per_step"))
         print(f"  sequential matmuls per chunk (fwd + bwd): {sum(r['matmuls_per_step'] for r in seq)}, "
-              f"dependent: {sum(r['dependent_matmuls_per_step'] for r in seq)}")
+              f"dependent: {sum(r['dependent_matmuls_per_step'] for r in seq)}; per 64 tokens: "
+              f"{per64('matmuls_per_step')}, dependent: {per64('dependent_matmuls_per_step')}")
     print("\nresidual bytes per layer per row (custom_vjp residuals | backward's transient chunk states):")
     for t, r in report["residual_bytes"].items():
         print(f"  {t}: before {r['before']['residuals'] / 2**20:,.0f} MiB | {r['before']['backward_states'] / 2**20:,.0f} MiB"

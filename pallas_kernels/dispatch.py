@@ -103,8 +103,10 @@ def block_gated_delta_rule(
     head_axes: Sequence[str] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Both streams of a block-mode GDN layer (docs/design.md 3.2 B): see ``block_gated_delta_rule_ref``
-    for the math and ``chunk_gated_delta_rule`` for backend / interpret / mesh. The Pallas path fuses
-    the clean sweep and the block readouts (``block_size`` and ``chunk_size`` must divide one another).
+    for the math and ``chunk_gated_delta_rule`` for backend / interpret / mesh (q, k and the noisy qn,
+    kn may be grouped key heads, as there). The Pallas path on TPU is the causal phase split with the
+    block readouts inside its sweep (``gdn_block_pallas``); ``block_size`` and ``chunk_size`` must
+    divide one another.
 
     Returns (o_clean [B, T, H, dv], o_noisy [B, T, H, dv], final clean state [B, H, dk, dv] fp32).
     """

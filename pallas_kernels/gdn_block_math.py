@@ -44,12 +44,40 @@ def _probs(qn, kn, auxn, mm: MatmulPolicy):
     return P * inv_z, ph * inv_z, G, alpha
 
 
+def readout_combine(qn_BK, kn_BK, vn_BW, auxn_AB, r_BW, mm: MatmulPolicy):
+    """Noisy-block output from its history readout r = (qn scale) S given: (o [Bk, W], the history
+    probability as a row [1, Bk]), fp32. Blocks may share the tile when RUN_N never matches across them."""
+    f32 = jnp.float32
+    P, ph, _, _ = _probs(qn_BK.astype(f32), kn_BK.astype(f32), auxn_AB, mm)
+    return mm.dot(P, vn_BW.astype(f32)) + ph * r_BW, col_to_row(ph)
+
+
 def block_readout_forward(qn_BK, kn_BK, vn_BW, auxn_AB, S_KW, *, scale: float, mm: MatmulPolicy):
     """Noisy-block output o [Bk, W] fp32."""
+    r = mm.dot(qn_BK.astype(jnp.float32) * scale, S_KW)
+    return readout_combine(qn_BK, kn_BK, vn_BW, auxn_AB, r, mm)[0]
+
+
+def readout_combine_backward(qn_BK, kn_BK, vn_BW, auxn_AB, r_BW, dO_BW, mm: MatmulPolicy):
+    """Reverse-mode of :func:`readout_combine` (its o) given the readout r: (dqn, dkn, dvn, dauxn
+    [AUX_WIDTH, Bk], dr [Bk, W]), fp32; dqn holds only the softmax's share (not the readout's)."""
     f32 = jnp.float32
     qn, kn, vn = qn_BK.astype(f32), kn_BK.astype(f32), vn_BW.astype(f32)
-    P, ph, _, _ = _probs(qn, kn, auxn_AB, mm)
-    return mm.dot(P, vn) + ph * mm.dot(qn * scale, S_KW)
+    dO = dO_BW.astype(f32)
+    Bk = qn.shape[0]
+    P, ph, G, alpha = _probs(qn, kn, auxn_AB, mm)
+    o = mm.dot(P, vn) + ph * r_BW
+    dvn = mm.dot(P, dO, _TN)
+    # softmax over [L, lh]: dlogit = p (dp - rho), rho = sum_j p_j dp_j = dO . o
+    rho = jnp.sum(dO * o, axis=1, keepdims=True)
+    dL = P * (mm.dot(dO, vn, _NT) - rho)
+    dlh = ph * (jnp.sum(dO * r_BW, axis=1, keepdims=True) - rho)
+    dq = alpha * mm.dot(dL, kn)
+    dk = alpha * mm.dot(dL, qn, _TN)
+    dalpha = jnp.sum(dL * G, axis=1, keepdims=True)
+    rows = _iota((AUX_WIDTH, Bk), 0)
+    dauxn = jnp.where(rows == ALPHA, col_to_row(dalpha), 0.0) + jnp.where(rows == LHIST, col_to_row(dlh), 0.0)
+    return dq, dk, dvn, dauxn, ph * dO
 
 
 def block_readout_backward(qn_BK, kn_BK, vn_BW, auxn_AB, S_KW, dO_BW, *, scale: float, mm: MatmulPolicy):
@@ -59,25 +87,9 @@ def block_readout_backward(qn_BK, kn_BK, vn_BW, auxn_AB, S_KW, dO_BW, *, scale: 
     d/d(alpha) (its share of the head's alpha gradient) and d/d(LHIST); 0 elsewhere. dqn, dkn, dauxn
     are partial sums over value blocks when dv is split (everything is linear in dO given p).
     """
-    f32 = jnp.float32
-    qn, kn, vn = qn_BK.astype(f32), kn_BK.astype(f32), vn_BW.astype(f32)
-    dO = dO_BW.astype(f32)
-    Bk = qn.shape[0]
-    P, ph, G, alpha = _probs(qn, kn, auxn_AB, mm)
-    qs = qn * scale
+    qs = qn_BK.astype(jnp.float32) * scale
     r = mm.dot(qs, S_KW)                                            # history readout [Bk, W]
-    o = mm.dot(P, vn) + ph * r
-    dvn = mm.dot(P, dO, _TN)
-    dr = ph * dO
+    dq, dk, dvn, dauxn, dr = readout_combine_backward(qn_BK, kn_BK, vn_BW, auxn_AB, r, dO_BW, mm)
     dS = mm.dot(qs, dr, _TN)
-    dq = scale * mm.dot(dr, S_KW, _NT)
-    # softmax over [L, lh]: dlogit = p (dp - rho), rho = sum_j p_j dp_j = dO . o
-    rho = jnp.sum(dO * o, axis=1, keepdims=True)
-    dL = P * (mm.dot(dO, vn, _NT) - rho)
-    dlh = ph * (jnp.sum(dO * r, axis=1, keepdims=True) - rho)
-    dq = dq + alpha * mm.dot(dL, kn)
-    dk = alpha * mm.dot(dL, qn, _TN)
-    dalpha = jnp.sum(dL * G, axis=1, keepdims=True)
-    rows = _iota((AUX_WIDTH, Bk), 0)
-    dauxn = jnp.where(rows == ALPHA, col_to_row(dalpha), 0.0) + jnp.where(rows == LHIST, col_to_row(dlh), 0.0)
+    dq = dq + scale * mm.dot(dr, S_KW, _NT)
     return dq, dk, dvn, dauxn, dS

@@ -1,7 +1,7 @@
 """Plain-jnp reference of the Clover block-mode GDN (docs/design.md 3.2 B): the oracle of the fused kernel.
 
-Two streams over the same T positions (argument convention of `gdn_reference`: q, k [B, T, H, dk]
-l2-normalised and repeated to the value heads, v [B, T, H, dv], g / beta [B, T, H], state
+Two streams over the same T positions (argument convention of `gdn_reference`: q, k [B, T, HK, dk]
+l2-normalised, HK = H or grouped (value head h reads key head h // (H / HK)), v [B, T, H, dv], g / beta [B, T, H], state
 [B, H, dk, dv] fp32):
 
 * the clean stream is the causal gated delta rule, unchanged (`chunk_gated_delta_rule_ref`);
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .gdn_reference import _reset_flags, chunk_gated_delta_rule_ref
+from .gdn_reference import _reset_flags, chunk_gated_delta_rule_ref, repeat_key_heads
 
 _HI = lax.Precision.HIGHEST
 
@@ -115,8 +115,8 @@ def block_gated_delta_rule_ref(
     Returns (o_clean [B, T, H, dv] in v's dtype, o_noisy [B, T, H, dv] in v's dtype, final clean
     state [B, H, dk, dv] fp32).
     """
-    B, T, H, K = q_BTHK.shape
-    V = v_BTHV.shape[-1]
+    B, T, _, K = q_BTHK.shape
+    H, V = v_BTHV.shape[2:]
     if T % block_size:
         raise ValueError(f"block mode needs T ({T}) to be a multiple of block_size ({block_size})")
     for name, x, ref in (("q_noisy", q_noisy_BTHK, q_BTHK), ("k_noisy", k_noisy_BTHK, k_BTHK),
@@ -134,6 +134,7 @@ def block_gated_delta_rule_ref(
     n = T // block_size
     blocks = lambda x: x.reshape((B, n, block_size) + x.shape[2:])  # noqa: E731
     same_doc, has_history = block_masks(segment_ids, B, T, block_size, initial_state is not None)
-    o_noisy = block_readout_ref(blocks(q_noisy_BTHK), blocks(k_noisy_BTHK), blocks(v_noisy_BTHV),
+    o_noisy = block_readout_ref(blocks(repeat_key_heads(q_noisy_BTHK, H)), blocks(repeat_key_heads(k_noisy_BTHK, H)),
+                                blocks(v_noisy_BTHV),
                                 entry_BNHKV, same_doc, has_history, scalars_H3, block_size)
     return o_clean, o_noisy.reshape(B, T, H, V).astype(v_noisy_BTHV.dtype), final

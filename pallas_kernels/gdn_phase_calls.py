@@ -24,6 +24,7 @@ Block shapes: C a multiple of 8; K, V multiples of 128 (or one head: the block i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import gdn_block_math as bm
+from . import gdn_block_phase_math as bpm
 from . import gdn_phase_math as pm
 from .cost import grid_estimate, spec
 from .gdn_chunk_math import AUX_WIDTH as AUX
@@ -47,9 +50,44 @@ def _key_head(h, rep: int):
     so fails in an AOT compile whose default device is a CPU."""
     return jax.lax.div(h, jnp.int32(rep))
 
-def group_size(N: int, C: int) -> int:
-    """G: the largest divisor of N with G * C <= GROUP_TOKENS (at least 1)."""
-    return max(g for g in range(1, N + 1) if N % g == 0 and (g == 1 or g * C <= GROUP_TOKENS))
+def group_size(N: int, C: int, multiple: int = 1) -> int:
+    """G: the largest divisor of N that is a multiple of ``multiple`` with G * C <= GROUP_TOKENS
+    (at least ``multiple``, which must divide N)."""
+    return max(g for g in range(multiple, N + 1, multiple)
+               if N % g == 0 and (g == multiple or g * C <= GROUP_TOKENS))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """Block mode on the phases (:mod:`pallas_kernels.gdn_block_phase_math`): noisy blocks of
+    ``block`` tokens, clean chunks of ``chunk``; one must divide the other. A readout tile is R =
+    max(block, chunk) rows starting at every rb-th chunk; ``mid``: blocks start inside chunks."""
+    block: int
+    chunk: int
+
+    def __post_init__(self):
+        if self.block % self.chunk and self.chunk % self.block:
+            raise ValueError(f"block_size {self.block} and chunk_size {self.chunk}: one must divide the other "
+                             "(the readout tiles must tile both grids)")
+
+    @property
+    def R(self) -> int:
+        return max(self.block, self.chunk)
+
+    @property
+    def rb(self) -> int:
+        return self.R // self.chunk
+
+    @property
+    def mid(self) -> bool:
+        return self.block < self.chunk
+
+
+def _at_tile_start(c, rb: int):
+    """Decorator: run the body at chunks c % rb == 0 (always when rb == 1)."""
+    if rb == 1:
+        return lambda body: body()
+    return pl.when(jax.lax.rem(c, jnp.int32(rb)) == 0)
 
 
 def _params(n_parallel: int, sequential: bool):
@@ -88,8 +126,44 @@ def parallel_backward_step(q, k, v, aux, T, w, u, S, dO, dS, *, cfg):
     return pm.chunk_parallel_backward(q, k, v, aux, T, w, u, S, dO, dS, scale=cfg.scale, mm=cfg.mm())
 
 
-def _cost(fn, specs, cfg, count, operands, results):
-    return grid_estimate([(fn, specs, (("cfg", cfg),), count)], operands, results)
+def block_sweep_step(q, k, w, u, aux, S, qn, auxn, *, cfg):
+    return bpm.chunk_block_sweep(q, k, w, u, aux, S, qn, auxn, scale=cfg.scale, mm=cfg.mm())
+
+
+def readout_step(qn, auxn, S, *, cfg):
+    return bpm.tile_readout(qn, auxn, S, scale=cfg.scale, mm=cfg.mm())
+
+
+def noisy_forward_step(qn, kn, vn, auxn, r, *, cfg):
+    return bm.readout_combine(qn, kn, vn, auxn, r, cfg.mm())
+
+
+def block_state_backward_step(q, k, w, aux, dO, dS, qn, auxn, ph, dOn, *, cfg):
+    return bpm.chunk_block_state_backward(q, k, w, aux, dO, dS, qn, auxn, ph, dOn, scale=cfg.scale, mm=cfg.mm())
+
+
+def tile_state_backward_step(qn, auxn, ph, dOn, *, cfg):
+    return bpm.tile_state_backward(qn, auxn, ph, dOn, scale=cfg.scale, mm=cfg.mm())
+
+
+def block_parallel_backward_step(q, k, v, aux, T, w, u, S, dO, dS, qn, kn, vn, auxn, dOn, *, cfg):
+    return bpm.chunk_block_parallel_backward(q, k, v, aux, T, w, u, S, dO, dS, qn, kn, vn, auxn, dOn,
+                                             scale=cfg.scale, mm=cfg.mm())
+
+
+def noisy_tile_backward_step(qn, kn, vn, auxn, S, dOn, *, cfg):
+    return bpm.noisy_tile_backward(qn, kn, vn, auxn, S, dOn, scale=cfg.scale, mm=cfg.mm())
+
+
+def _cost(fn, specs, cfg, count, operands, results, extra=()):
+    """``extra``: further (fn, specs, count) steps of the same kernel."""
+    steps = [(f, sp, (("cfg", cfg),), n) for f, sp, n in ((fn, specs, count),) + tuple(extra)]
+    return grid_estimate(steps, operands, results)
+
+
+def _noisy_specs(qn, vn, R: int, K: int, V: int):
+    """Per-tile qn, kn [R, K], vn [R, V], auxn [AUX, R] (a readout tile's operands, for its cost)."""
+    return (spec((R, K), qn.dtype), spec((R, K), qn.dtype), spec((R, V), vn.dtype), spec((AUX, R), f32))
 
 
 # ------------------------------------------------------------------------------------------ phase a
@@ -141,12 +215,16 @@ def intra_call(k, v, aux, *, K: int, cfg: KernelConfig, interpret: bool, T_in=No
 
 # ------------------------------------------------------------------------------------------ phase b
 
-def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, s0_ref, *refs, cfg, with_o, with_states):
+def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, s0_ref, *refs, cfg, with_o, with_states, plan):
+    qn_ref, auxn_ref = refs[:2] if plan else (None, None)
+    refs = refs[2:] if plan else refs
     outs, S_ref = list(refs[:-1]), refs[-1]
     final_ref = outs.pop(0)
     o_ref = outs.pop(0) if with_o else None
     st_ref = outs.pop(0) if with_states else None
+    r_ref = outs.pop(0) if plan else None
     n = pl.program_id(2)
+    kw = dict(scale=cfg.scale, mm=cfg.mm())
 
     @pl.when(n == 0)
     def _():
@@ -155,8 +233,17 @@ def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, s0_ref, *refs, cfg, with_
     S = S_ref[...]
     if with_states:
         st_ref[...] = S
-    o, S_new = pm.chunk_sweep(q_ref[...], k_ref[...], w_ref[...], u_ref[...], aux_ref[...], S,
-                              scale=cfg.scale, mm=cfg.mm())
+    chunk = (q_ref[...], k_ref[...], w_ref[...], u_ref[...], aux_ref[...], S)
+    if plan and plan.mid:   # the readouts of the blocks inside this chunk, from its deltas
+        o, S_new, r = bpm.chunk_block_sweep(*chunk, qn_ref[...], auxn_ref[...], **kw)
+        r_ref[...] = r
+    else:
+        o, S_new = pm.chunk_sweep(*chunk, **kw)
+        if plan:   # a block starts here: read its state out while it is in VMEM
+
+            @_at_tile_start(n, plan.rb)
+            def _():
+                r_ref[...] = bpm.tile_readout(qn_ref[...], auxn_ref[...], S, **kw)
     if with_o:
         o_ref[...] = o.astype(o_ref.dtype)
     S_ref[...] = S_new
@@ -183,10 +270,22 @@ def _step_specs(q, v, C, K, V):
             spec((AUX, C), f32), spec((K, V), f32))
 
 
+def _tile_specs(rep: int, R: int, K: int, V: int, rb: int, rev=None):
+    """BlockSpecs of readout tiles (R rows) on the sweeps' (b, h, n) grid: the tile of chunk n's
+    block stays resident while the sweep walks its rb chunks. qn (key head), auxn, [R, V], ph."""
+    t = (lambda n: n) if rev is None else rev
+    tile = (lambda n: t(n)) if rb == 1 else (lambda n: jax.lax.div(t(n), jnp.int32(rb)))
+    return (pl.BlockSpec((None, R, K), lambda b, h, n: (b, tile(n), _key_head(h, rep))),
+            pl.BlockSpec((None, None, None, AUX, R), lambda b, h, n: (b, h, tile(n), 0, 0)),
+            pl.BlockSpec((None, R, V), lambda b, h, n: (b, tile(n), h)),
+            pl.BlockSpec((None, None, None, 1, R), lambda b, h, n: (b, h, tile(n), 0, 0)))
+
+
 def sweep_call(q, k, w, u, aux, s0, *, cfg: KernelConfig, interpret: bool, with_o: bool = True,
-               with_states: bool = False):
+               with_states: bool = False, noisy=None):
     """Phase b. Returns (final [B,H,K,V] fp32, o [B,Tp,H*V] in u's dtype if with_o, states
-    [B,H,N*K,V] fp32 if with_states)."""
+    [B,H,N*K,V] fp32 if with_states, r [B,Tp,H*V] fp32 with ``noisy`` = (qn [B,Tp,HK*K], auxn
+    [B,H,Tp/R,AUX,R], plan: BlockPlan): the history readout of every noisy token)."""
     K = s0.shape[2]
     B, Tp, H, HK, V, C, N, rep = _shape(q, u, aux, K)
     kq, kw, vw, ax, st, s = _sweep_specs(H, rep, C, K, V)
@@ -197,20 +296,68 @@ def sweep_call(q, k, w, u, aux, s0, *, cfg: KernelConfig, interpret: bool, with_
     if with_states:
         out_shape.append(jax.ShapeDtypeStruct((B, H, N * K, V), f32))
         out_specs.append(st)
-    args = (q, k, w, u, aux, s0)
-    cost = _cost(sweep_step, _step_specs(q, u, C, K, V), cfg, B * H * N, args, out_shape)
+    args, in_specs, plan = (q, k, w, u, aux, s0), [kq, kq, kw, vw, ax, s], None
+    specs, step, extra = _step_specs(q, u, C, K, V), sweep_step, ()
+    if noisy is not None:
+        qn, auxn, plan = noisy
+        R = plan.R
+        nq, nax, nr, _ = _tile_specs(rep, R, K, V, plan.rb)
+        args, in_specs = args + (qn, auxn), in_specs + [nq, nax]
+        out_shape.append(jax.ShapeDtypeStruct((B, Tp, H * V), f32))
+        out_specs.append(nr)
+        if plan.mid:
+            specs, step = specs + (spec((C, K), qn.dtype), spec((AUX, C), f32)), block_sweep_step
+        else:
+            extra = ((readout_step, (spec((R, K), qn.dtype), spec((AUX, R), f32), spec((K, V), f32)), B * H * (Tp // R)),)
+    cost = _cost(step, specs, cfg, B * H * N, args, out_shape, extra)
     call = pl.pallas_call(
-        functools.partial(_sweep_kernel, cfg=cfg, with_o=with_o, with_states=with_states),
-        out_shape=out_shape, grid=(B, H, N), in_specs=[kq, kq, kw, vw, ax, s], out_specs=out_specs,
+        functools.partial(_sweep_kernel, cfg=cfg, with_o=with_o, with_states=with_states, plan=plan),
+        out_shape=out_shape, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((K, V), f32)], compiler_params=_params(2, sequential=True),
-        interpret=interpret, name="gdn_sweep", cost_estimate=cost)
+        interpret=interpret, name="gdn_block_sweep" if plan else "gdn_sweep", cost_estimate=cost)
+    return tuple(call(*args))
+
+
+# --------------------------------------------------------------------------- block mode, noisy
+
+def _noisy_forward_kernel(qn_ref, kn_ref, vn_ref, auxn_ref, r_ref, on_ref, ph_ref, *, cfg, G, R):
+    for j in range(G):  # static unroll: G independent readout tiles
+        rows = pl.ds(j * R, R)
+        on, ph = bm.readout_combine(qn_ref[rows, :], kn_ref[rows, :], vn_ref[rows, :], auxn_ref[j], r_ref[rows, :],
+                                    cfg.mm())
+        on_ref[rows, :] = on.astype(on_ref.dtype)
+        ph_ref[j] = ph
+
+
+def noisy_forward_call(qn, kn, vn, auxn, r, *, K: int, cfg: KernelConfig, interpret: bool):
+    """Block mode's noisy output from the readouts, parallel over (row, value head, tile group).
+    Returns (on [B,Tp,H*V] in vn's dtype, ph [B,H,NT,1,R] fp32: the history unit's probability, the
+    backward's residual)."""
+    B, H, NT, _, R = auxn.shape
+    Tp, V, rep = qn.shape[1], vn.shape[-1] // H, H // (qn.shape[-1] // K)
+    G = group_size(NT, R)
+    nq = pl.BlockSpec((None, G * R, K), lambda b, h, n: (b, n, _key_head(h, rep)))
+    nv = pl.BlockSpec((None, G * R, V), lambda b, h, n: (b, n, h))
+    nax = pl.BlockSpec((None, None, G, AUX, R), lambda b, h, n: (b, h, n, 0, 0))
+    nph = pl.BlockSpec((None, None, G, 1, R), lambda b, h, n: (b, h, n, 0, 0))
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, H * V), vn.dtype), jax.ShapeDtypeStruct((B, H, NT, 1, R), f32)]
+    args = (qn, kn, vn, auxn, r)
+    cost = _cost(noisy_forward_step, _noisy_specs(qn, vn, R, K, V) + (spec((R, V), f32),), cfg, B * H * NT, args,
+                 out_shape)
+    call = pl.pallas_call(
+        functools.partial(_noisy_forward_kernel, cfg=cfg, G=G, R=R), out_shape=out_shape, grid=(B, H, NT // G),
+        in_specs=[nq, nq, nv, nax, nv], out_specs=[nv, nph], compiler_params=_params(2, sequential=False),
+        interpret=interpret, name="gdn_block_noisy", cost_estimate=cost)
     return tuple(call(*args))
 
 
 # ----------------------------------------------------------------------------------------- backward
 
-def _state_backward_kernel(q_ref, k_ref, w_ref, aux_ref, do_ref, dfin_ref, dst_ref, ds0_ref, dS_ref, *, cfg):
+def _state_backward_kernel(q_ref, k_ref, w_ref, aux_ref, do_ref, dfin_ref, *refs, cfg, plan):
+    qn_ref, auxn_ref, ph_ref, don_ref = refs[:4] if plan else (None,) * 4
+    dst_ref, ds0_ref, dS_ref = refs[4:] if plan else refs
     n = pl.program_id(2)
+    kw = dict(scale=cfg.scale, mm=cfg.mm())
 
     @pl.when(n == 0)
     def _():
@@ -218,61 +365,113 @@ def _state_backward_kernel(q_ref, k_ref, w_ref, aux_ref, do_ref, dfin_ref, dst_r
 
     dSn = dS_ref[...]
     dst_ref[...] = dSn                      # the cotangent of the state after this chunk
-    dS = pm.chunk_state_backward(q_ref[...], k_ref[...], w_ref[...], aux_ref[...], do_ref[...], dSn,
-                                 scale=cfg.scale, mm=cfg.mm())
-    dS_ref[...] = dS
+    chunk = (q_ref[...], k_ref[...], w_ref[...], aux_ref[...], do_ref[...], dSn)
+    if plan and plan.mid:   # the readouts inside this chunk read its start state and its deltas
+        dS_ref[...] = bpm.chunk_block_state_backward(*chunk, qn_ref[...], auxn_ref[...], ph_ref[...], don_ref[...],
+                                                     **kw)
+    else:
+        dS_ref[...] = pm.chunk_state_backward(*chunk, **kw)
+        if plan:   # the block starting at this chunk read the state before it
+
+            @_at_tile_start(pl.num_programs(2) - 1 - n, plan.rb)
+            def _():
+                dS_ref[...] += bpm.tile_state_backward(qn_ref[...], auxn_ref[...], ph_ref[...], don_ref[...], **kw)
+    dS = dS_ref[...]
 
     @pl.when(n == pl.num_programs(2) - 1)
     def _():
         ds0_ref[...] = dS
 
 
-def state_backward_call(q, k, w, aux, dO, dfinal, *, cfg: KernelConfig, interpret: bool):
+def state_backward_call(q, k, w, aux, dO, dfinal, *, cfg: KernelConfig, interpret: bool, noisy=None):
     """Reverse sweep carrying dS (the backward's only sequential kernel). Returns (dstates
-    [B,H,N*K,V] fp32: rows n*K:(n+1)*K = the cotangent of the state AFTER chunk n, ds0 [B,H,K,V])."""
+    [B,H,N*K,V] fp32: rows n*K:(n+1)*K = the cotangent of the state AFTER chunk n, ds0 [B,H,K,V]).
+    ``noisy`` = (qn, auxn, ph, dOn, plan): block mode, the readouts' cotangents join dS."""
     K = dfinal.shape[2]
     B, Tp, H, HK, V, C, N, rep = _shape(q, dO, aux, K)
-    kq, kw, vw, ax, st, s = _sweep_specs(H, rep, C, K, V, rev=lambda n: N - 1 - n)
+    rev = lambda n: N - 1 - n  # noqa: E731
+    kq, kw, vw, ax, st, s = _sweep_specs(H, rep, C, K, V, rev=rev)
     out_shape = [jax.ShapeDtypeStruct((B, H, N * K, V), f32), jax.ShapeDtypeStruct((B, H, K, V), f32)]
-    args = (q, k, w, aux, dO, dfinal)
+    args, in_specs, plan = (q, k, w, aux, dO, dfinal), [kq, kq, kw, ax, vw, s], None
     specs = (spec((C, K), q.dtype), spec((C, K), q.dtype), spec((C, K), w.dtype), spec((AUX, C), f32),
              spec((C, V), dO.dtype), spec((K, V), f32))
-    cost = _cost(state_backward_step, specs, cfg, B * H * N, args, out_shape)
+    step, extra = state_backward_step, ()
+    if noisy is not None:
+        qn, auxn, ph, dOn, plan = noisy
+        R = plan.R
+        nq, nax, nv, nph = _tile_specs(rep, R, K, V, plan.rb, rev=rev)
+        args, in_specs = args + (qn, auxn, ph, dOn), in_specs + [nq, nax, nph, nv]
+        tile = (spec((R, K), qn.dtype), spec((AUX, R), f32), spec((1, R), f32), spec((R, V), dOn.dtype))
+        if plan.mid:
+            specs, step = specs + tile, block_state_backward_step
+        else:
+            extra = ((tile_state_backward_step, tile, B * H * (Tp // R)),)
+    cost = _cost(step, specs, cfg, B * H * N, args, out_shape, extra)
     call = pl.pallas_call(
-        functools.partial(_state_backward_kernel, cfg=cfg), out_shape=out_shape, grid=(B, H, N),
-        in_specs=[kq, kq, kw, ax, vw, s], out_specs=[st, s],
+        functools.partial(_state_backward_kernel, cfg=cfg, plan=plan), out_shape=out_shape, grid=(B, H, N),
+        in_specs=in_specs, out_specs=[st, s],
         scratch_shapes=[pltpu.VMEM((K, V), f32)], compiler_params=_params(2, sequential=True),
-        interpret=interpret, name="gdn_state_bwd", cost_estimate=cost)
+        interpret=interpret, name="gdn_block_state_bwd" if plan else "gdn_state_bwd", cost_estimate=cost)
     return tuple(call(*args))
 
 
-def _parallel_backward_kernel(q_ref, k_ref, v_ref, aux_ref, T_ref, w_ref, u_ref, st_ref, dst_ref, do_ref,
-                              dq_ref, dk_ref, dv_ref, daux_ref, *, cfg, G, C, K, V, rep):
+def _parallel_backward_kernel(q_ref, k_ref, v_ref, aux_ref, T_ref, w_ref, u_ref, st_ref, dst_ref, do_ref, *refs,
+                              cfg, G, C, K, V, rep, plan):
+    n_in = 5 if plan else 0
+    qn_ref, kn_ref, vn_ref, auxn_ref, don_ref = refs[:n_in] if plan else (None,) * 5
+    dq_ref, dk_ref, dv_ref, daux_ref = refs[n_in:n_in + 4]
+    dqn_ref, dkn_ref, dvn_ref, dauxn_ref = refs[n_in + 4:] if plan else (None,) * 4
+    kw = dict(scale=cfg.scale, mm=cfg.mm())
+    R = plan.R if plan else C
+    outs = dict(dq=dq_ref, dk=dk_ref, dqn=dqn_ref, dkn=dkn_ref)
+    sums = {}   # (output, first row) -> its sum over this key head's value heads
+
+    def add(name, row, x):
+        sums[name, row] = x if (name, row) not in sums else sums[name, row] + x
+
     for j in range(G):
         r = pl.ds(j * C, C)
         q, k = q_ref[r, :], k_ref[r, :]
-        dq_sum = dk_sum = None
-        for h in range(rep):  # the value heads of this key head: their dq, dk sum here
+        for h in range(rep):  # the value heads of this key head: their dq, dk (dqn, dkn) sum here
             kc, vc = pl.ds(h * K, K), pl.ds(h * V, V)
-            dq, dk, dv, daux = pm.chunk_parallel_backward(
-                q, k, v_ref[r, vc], aux_ref[h, j], T_ref[h, j], w_ref[r, kc], u_ref[r, vc],
-                st_ref[h, pl.ds(j * K, K), :], do_ref[r, vc], dst_ref[h, pl.ds(j * K, K), :],
-                scale=cfg.scale, mm=cfg.mm())
-            dq_sum = dq if dq_sum is None else dq_sum + dq
-            dk_sum = dk if dk_sum is None else dk_sum + dk
+            S = st_ref[h, pl.ds(j * K, K), :]
+            clean = (q, k, v_ref[r, vc], aux_ref[h, j], T_ref[h, j], w_ref[r, kc], u_ref[r, vc], S, do_ref[r, vc],
+                     dst_ref[h, pl.ds(j * K, K), :])
+            if plan and plan.mid:   # the chunk's readouts are in its deltas: one composition
+                dq, dk, dv, daux, *noisy = bpm.chunk_block_parallel_backward(
+                    *clean, qn_ref[r, :], kn_ref[r, :], vn_ref[r, vc], auxn_ref[h, j], don_ref[r, vc], **kw)
+            else:
+                dq, dk, dv, daux = pm.chunk_parallel_backward(*clean, **kw)
+                noisy = None
+                if plan and j % plan.rb == 0:   # a block starts at this chunk: its state is S
+                    t = pl.ds(j * C, R)
+                    noisy = bpm.noisy_tile_backward(qn_ref[t, :], kn_ref[t, :], vn_ref[t, vc],
+                                                    auxn_ref[h, j // plan.rb], S, don_ref[t, vc], **kw)[:4]
+            add("dq", j * C, dq)
+            add("dk", j * C, dk)
             dv_ref[r, vc] = dv.astype(dv_ref.dtype)
             daux_ref[h, j] = daux
-        dq_ref[r, :] = dq_sum.astype(dq_ref.dtype)
-        dk_ref[r, :] = dk_sum.astype(dk_ref.dtype)
+            if noisy is not None:
+                dqn, dkn, dvn, dauxn = noisy
+                add("dqn", j * C, dqn)
+                add("dkn", j * C, dkn)
+                dvn_ref[pl.ds(j * C, R), vc] = dvn.astype(dvn_ref.dtype)
+                dauxn_ref[h, j // (plan.rb if plan else 1)] = dauxn
+    for (name, row), x in sums.items():
+        ref = outs[name]
+        ref[pl.ds(row, x.shape[0]), :] = x.astype(ref.dtype)
 
 
-def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: KernelConfig, interpret: bool):
+def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: KernelConfig, interpret: bool,
+                           noisy=None):
     """Every cotangent but the dS recurrence, parallel over (row, key head, chunk group): one grid
     step takes a key head's rep value heads (adjacent in the flat head dim) and sums their dq, dk.
-    Returns (dq, dk [B,Tp,HK*K] in q's dtype, dv [B,Tp,H*V] in v's dtype, daux [B,H,N,AUX,C] fp32)."""
+    Returns (dq, dk [B,Tp,HK*K] in q's dtype, dv [B,Tp,H*V] in v's dtype, daux [B,H,N,AUX,C] fp32)
+    and with ``noisy`` = (qn, kn, vn, auxn, dOn, plan) (block mode) also (dqn, dkn, dvn, dauxn)."""
     K = w.shape[-1] // aux.shape[1]
     B, Tp, H, HK, V, C, N, rep = _shape(q, v, aux, K)
-    G = group_size(N, C)
+    plan = None if noisy is None else noisy[-1]
+    G = group_size(N, C, plan.rb if plan else 1)
     kq = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, h))
     kw = pl.BlockSpec((None, G * C, rep * K), lambda b, h, n: (b, n, h))
     vw = pl.BlockSpec((None, G * C, rep * V), lambda b, h, n: (b, n, h))
@@ -282,13 +481,29 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(aux.shape, f32)]
     args = (q, k, v, aux, T, w, u, states, dstates, dO)
+    in_specs, out_specs = [kq, kq, vw, ax, tt, kw, vw, st, st, vw], [kq, kq, vw, ax]
     specs = (spec((C, K), q.dtype), spec((C, K), k.dtype), spec((C, V), v.dtype), spec((AUX, C), f32),
              spec((C, C), f32), spec((C, K), w.dtype), spec((C, V), u.dtype), spec((K, V), f32),
              spec((C, V), dO.dtype), spec((K, V), f32))
-    cost = _cost(parallel_backward_step, specs, cfg, B * H * N, args, out_shape)
+    step, extra = parallel_backward_step, ()
+    if plan is not None:
+        qn, kn, vn, auxn, dOn, _ = noisy
+        R = plan.R
+        nax = pl.BlockSpec((None, rep, G // plan.rb, AUX, R), lambda b, h, n: (b, h, n, 0, 0))
+        args = args + (qn, kn, vn, auxn, dOn)
+        in_specs += [kq, kq, vw, nax, vw]
+        out_specs += [kq, kq, vw, nax]
+        out_shape += [jax.ShapeDtypeStruct(qn.shape, qn.dtype), jax.ShapeDtypeStruct(kn.shape, kn.dtype),
+                      jax.ShapeDtypeStruct(vn.shape, vn.dtype), jax.ShapeDtypeStruct(auxn.shape, f32)]
+        tile = _noisy_specs(qn, vn, R, K, V)
+        if plan.mid:
+            specs, step = specs + tile + (spec((C, V), dOn.dtype),), block_parallel_backward_step
+        else:
+            extra = ((noisy_tile_backward_step, tile + (spec((K, V), f32), spec((R, V), dOn.dtype)), B * H * (Tp // R)),)
+    cost = _cost(step, specs, cfg, B * H * N, args, out_shape, extra)
     call = pl.pallas_call(
-        functools.partial(_parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep), out_shape=out_shape,
-        grid=(B, HK, N // G), in_specs=[kq, kq, vw, ax, tt, kw, vw, st, st, vw],
-        out_specs=[kq, kq, vw, ax], compiler_params=_params(2, sequential=False), interpret=interpret,
-        name="gdn_parallel_bwd", cost_estimate=cost)
+        functools.partial(_parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep, plan=plan),
+        out_shape=out_shape, grid=(B, HK, N // G), in_specs=in_specs, out_specs=out_specs,
+        compiler_params=_params(2, sequential=False), interpret=interpret,
+        name="gdn_block_parallel_bwd" if plan else "gdn_parallel_bwd", cost_estimate=cost)
     return tuple(call(*args))

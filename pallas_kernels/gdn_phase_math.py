@@ -73,7 +73,8 @@ def chunk_intra(k_CK, v_CW, aux_AC, mm: MatmulPolicy) -> tuple[jax.Array, jax.Ar
 
 # ------------------------------------------------------------------------------------------ phase b
 
-def _sweep_common(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale: float, mm: MatmulPolicy):
+def sweep_terms(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale: float, mm: MatmulPolicy) -> dict[str, jax.Array]:
+    """Phase b's per-chunk intermediates (scalars, q s, k, qe, kd, P, delta = u - w S), fp32."""
     x = _scalars(aux_AC)
     q = q_CK.astype(f32) * scale
     k = k_CK.astype(f32)
@@ -84,37 +85,49 @@ def _sweep_common(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale: float, mm: Matmul
 
 def chunk_sweep(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, *, scale: float, mm: MatmulPolicy):
     """Phase b of one chunk: (o [C, W] fp32, S' [K, W] fp32) from the state S before it."""
-    x = _sweep_common(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale, mm)
+    return sweep_outputs(sweep_terms(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale, mm), S_KW, mm)
+
+
+def sweep_outputs(x: dict[str, jax.Array], S_KW, mm: MatmulPolicy) -> tuple[jax.Array, jax.Array]:
+    """(o, S') from a chunk's ``sweep_terms``."""
     o = mm.dot(x["qe"], S_KW) + mm.dot(x["P"], x["delta"])
     S_new = x["sdec"] * S_KW + mm.dot(x["kd"], x["delta"], _TN)
     return o, S_new
 
 
-def chunk_state_backward(q_CK, k_CK, w_CK, aux_AC, dO_CW, dSn_KW, *, scale: float, mm: MatmulPolicy):
+def chunk_state_backward(q_CK, k_CK, w_CK, aux_AC, dO_CW, dSn_KW, *, scale: float, mm: MatmulPolicy,
+                         ddelta_extra=None):
     """Reverse step of phase b, the only sequential part of the backward: dS [K, W] fp32, the
     cotangent of the state before the chunk, from dS' after it. Needs neither S nor delta:
-    ddelta = P^T dO + kd dS',  dS = sdec dS' + qe^T dO - w^T ddelta."""
+    ddelta = P^T dO + kd dS',  dS = sdec dS' + qe^T dO - w^T ddelta. ``ddelta_extra`` [C, W]: a
+    further cotangent of delta (block mode's mid-chunk readouts)."""
     x = _scalars(aux_AC)
     q = q_CK.astype(f32) * scale
     k = k_CK.astype(f32)
     dO = dO_CW.astype(f32)
     ddelta = mm.dot(mm.dot(q, k, _NT) * x["E_at"], dO, _TN) + mm.dot(x["eout"] * k, dSn_KW)
+    if ddelta_extra is not None:
+        ddelta = ddelta + ddelta_extra
     return x["sdec"] * dSn_KW + mm.dot(x["ein"] * q, dO, _TN) - mm.dot(w_CK, ddelta, _TN)
 
 
 def chunk_sweep_cotangents(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, dO_CW, dSn_KW, *, scale: float,
-                           mm: MatmulPolicy):
+                           mm: MatmulPolicy, x=None, ddelta_extra=None):
     """The cotangents of phase b's inputs given the state S before the chunk and dS' after it (both
     known once the two sweeps ran, so this is parallel over chunks).
 
     Returns (dq_p [C, K]: dq through ein q S; dk_p [C, K]: dk through S'; dw [C, K]; du [C, W];
     delta [C, W] (for the WY backward); daux_p [AUX, C] (EIN, EOUT rows per token, SDEC at token 0)),
-    all fp32.
+    all fp32. ``x``: this chunk's ``sweep_terms`` if already computed; ``ddelta_extra`` as in
+    :func:`chunk_state_backward`.
     """
-    x = _sweep_common(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale, mm)
+    if x is None:
+        x = sweep_terms(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale, mm)
     dO = dO_CW.astype(f32)
     delta = x["delta"]
     ddelta = mm.dot(x["P"], dO, _TN) + mm.dot(x["kd"], dSn_KW)
+    if ddelta_extra is not None:
+        ddelta = ddelta + ddelta_extra
     dw = -mm.dot(ddelta, S_KW, _NT)
     dqe = mm.dot(dO, S_KW, _NT)                           # d(qe), qe = ein q s
     dkd = mm.dot(delta, dSn_KW, _NT)                      # d(kd), kd = eout k
@@ -132,10 +145,11 @@ def chunk_sweep_cotangents(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, dO_CW, dSn_KW, 
 
 
 def chunk_parallel_backward(q_CK, k_CK, v_CW, aux_AC, T_CC, w_CK, u_CW, S_KW, dO_CW, dSn_KW, *, scale: float,
-                            mm: MatmulPolicy):
-    """The whole backward of one chunk but the dS recurrence: (dq, dk, dv, daux) fp32."""
+                            mm: MatmulPolicy, x=None, ddelta_extra=None):
+    """The whole backward of one chunk but the dS recurrence: (dq, dk, dv, daux) fp32 (``x``,
+    ``ddelta_extra`` as in :func:`chunk_sweep_cotangents`)."""
     dq_p, dk_p, dw, du, delta, daux_p = chunk_sweep_cotangents(
-        q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, dO_CW, dSn_KW, scale=scale, mm=mm)
+        q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, dO_CW, dSn_KW, scale=scale, mm=mm, x=x, ddelta_extra=ddelta_extra)
     dq, dk, dv, daux = chunk_intra_backward(q_CK, k_CK, v_CW, aux_AC, T_CC, w_CK, u_CW, dO_CW, delta, du, dw,
                                             scale=scale, mm=mm)
     return dq + dq_p, dk + dk_p, dv, daux + daux_p

@@ -12,20 +12,25 @@ FLOPs (a matmul of m x k by k x n = 2mkn), per token of either stream:
   stream is causal: T (T + 1) / 2 pairs; a noisy query of block b sees the b * bs clean keys before
   its block and the bs noisy keys of it: T (T + bs) / 2 pairs. One document per row (packing
   only removes pairs; the kernels skip whole tiles, never per document).
-- ``gdn`` (linear-attention layers), per value head: the clean stream's chunked delta rule (chunk C,
-  the matmuls of `pallas_kernels.gdn_chunk_math`: k k^T, the doubling triangular inverse, k S, T R,
-  q k^T, q S, P delta, the state update) and the noisy stream's per-block readout (q k^T, P v,
-  q S over blocks of bs).
+- ``gdn`` (linear-attention layers), per value head: the clean stream's chunked delta rule as the
+  TPU phase kernels run it (chunk C, `pallas_kernels.gdn_phase_math`: k k^T, the doubling triangular
+  inverse, w = T (beta k), u = T (beta v), w S, q k^T, q S, P delta, the state update) and the noisy
+  stream's readouts (`gdn_block_phase_math`): per readout tile of R = max(bs, C) rows, q S, q k^T
+  and P v on the tile, plus, when blocks start inside chunks (bs < C), Mn = q k^T and Mn delta.
 - ``lm_head``: the logits of every noisy position, 2 D V (the CE skips chunks without a loss token
   at run time; a static count cannot, so this is the upper bound the compiled program also has).
 
 ``model`` = 3 x forward (backward = 2 x forward) is the step's model FLOPs (MFU); ``executed`` adds
 the layer stack's forward once more under ``remat: full`` (recomputed in the backward; the CE's
-custom VJP recomputes nothing), and, when the attention runs as a flash-style kernel (splash on TPU,
-our flash kernel on GPU), the scores its backward recomputes: per visible pair the forward does 2
-matmuls (q k^T, p v) and autodiff's backward 4 (dv, dp, dq, dk), while the kernels' dq pass runs 3
-(q k^T, do v^T, ds k) and their dk/dv pass 4 (q k^T, do v^T, p^T do, ds^T q): 3 more, i.e. 1.5 x
-the attention forward (``attention_recompute``).
+custom VJP recomputes nothing), what the GDN kernels run beyond that count
+(``gdn_executed_extra``): their backward is counted from its own matmuls, not as 2 x the forward
+(the phase split saves the inverse, recomputes the WY form and the chunk states, and its parallel
+kernels recompute P, delta and the noisy softmax), and at ``gdn_lanes`` (TPU: 128) the kernels run
+dk, dv zero-padded to whole lane tiles; and, when the attention runs as a flash-style kernel (splash
+on TPU, our flash kernel on GPU), the scores its backward recomputes: per visible pair the forward
+does 2 matmuls (q k^T, p v) and autodiff's backward 4 (dv, dp, dq, dk), while the kernels' dq pass
+runs 3 (q k^T, do v^T, ds k) and their dk/dv pass 4 (q k^T, do v^T, p^T do, ds^T q): 3 more, i.e.
+1.5 x the attention forward (``attention_recompute``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class StepFlops:
     gdn: float
     lm_head: float
     recompute: float  # the layer stack's forward again (remat full), else 0
+    gdn_executed_extra: float = 0.0  # what the GDN kernels run minus the 3 x forward (+ remat) count
     attention_recompute: float = 0.0  # a flash-style attention backward's recomputed scores, else 0
 
     @property
@@ -60,9 +66,9 @@ class StepFlops:
 
     @property
     def executed(self) -> float:
-        """What the step runs: model FLOPs + the rematerialised forward + the attention kernels'
-        recomputed scores."""
-        return self.model + self.recompute + self.attention_recompute
+        """What the step runs: model FLOPs + the rematerialised forward + the GDN kernels' extra +
+        the attention kernels' recomputed scores."""
+        return self.model + self.recompute + self.gdn_executed_extra + self.attention_recompute
 
 
 def _dense_per_token(cfg: ModelConfig) -> tuple[float, float]:
@@ -77,16 +83,43 @@ def _dense_per_token(cfg: ModelConfig) -> tuple[float, float]:
 
 
 def _gdn_chunk_flops(c: int, k: int, v: int) -> float:
-    """Forward matmul FLOPs of one chunk of C tokens of one head (K key, V value dims)."""
+    """Forward matmul FLOPs of one chunk of C tokens of one head (K key, V value dims), phase split."""
     inverse = 2 * math.ceil(math.log2(c)) * 2 * c**3  # two C x C x C products per doubling step
-    return 2 * c * c * k + inverse + 2 * c * k * v + 2 * c * c * v + 2 * c * c * k + 2 * c * k * v + 2 * c * c * v \
-        + 2 * c * k * v
+    intra = 2 * c * c * k + inverse + 2 * c * c * k + 2 * c * c * v        # k k^T, T, w, u
+    return intra + 2 * c * k * v + 2 * c * k * v + 2 * c * c * k + 2 * c * c * v + 2 * c * k * v
+
+
+def _gdn_readout_flops(t: int, bs: int, c: int, k: int, v: int) -> float:
+    """Forward matmul FLOPs of the noisy stream of one row and head (readout tiles of max(bs, C))."""
+    r = max(bs, c)
+    per_tile = 2 * r * k * v + 2 * r * r * k + 2 * r * r * v            # q S, q k^T, P v
+    if bs < c:
+        per_tile += 2 * c * c * k + 2 * c * c * v                       # Mn = q k^T, Mn delta
+    return (t // r) * per_tile
+
+
+def _gdn_chunk_backward_flops(c: int, k: int, v: int) -> float:
+    """Backward matmul FLOPs of one chunk of one head, phase split (no inverse: it is saved): the WY
+    recompute (2), the state recompute (2), the dS sweep (5) and the parallel backward (18)."""
+    cck, ccv, ckv = 2 * c * c * k, 2 * c * c * v, 2 * c * k * v
+    return 11 * cck + 6 * ccv + 10 * ckv
+
+
+def _gdn_readout_backward_flops(t: int, bs: int, c: int, k: int, v: int) -> float:
+    """Backward matmul FLOPs of the noisy stream of one row and head: in the dS sweep the readouts'
+    state cotangent (and Mn, Mn^T dr for blocks inside chunks), in the parallel kernel the readout
+    and softmax recompute and their cotangents."""
+    if bs < c:
+        cck, ccv, ckv = 2 * c * c * k, 2 * c * c * v, 2 * c * k * v
+        return (t // c) * (7 * cck + 7 * ccv + 3 * ckv)
+    return (t // bs) * (3 * 2 * bs * bs * k + 3 * 2 * bs * bs * v + 3 * 2 * bs * k * v)
 
 
 def sft_step_flops(cfg: ModelConfig, *, rows: int, seq_len: int, block_size: int, copies: int = 2,
-                   remat: str = "full", flash_backward: bool = False) -> StepFlops:
+                   remat: str = "full", gdn_lanes: int = 1, flash_backward: bool = False) -> StepFlops:
     """The analytic count of one SFT step of ``rows`` x ``seq_len`` tokens (module docstring).
     ``remat``: the layer stack's policy; "full" recomputes its forward in the backward.
+    ``gdn_lanes``: the GDN kernels run dk, dv rounded up to a multiple of it (executed count only).
     ``flash_backward``: the attention backward runs as split dq / dk-dv kernels that recompute the
     scores (``attn_backend`` splash or flash); False for the jnp reference (autodiff saves them)."""
     if seq_len % block_size:
@@ -103,10 +136,16 @@ def sft_step_flops(cfg: ModelConfig, *, rows: int, seq_len: int, block_size: int
     c = min(cfg.gdn_chunk_size, t)
     kd, vd, nv = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
     clean = (t // c) * _gdn_chunk_flops(c, kd, vd)
-    noisy = (t // bs) * (2 * bs * bs * kd + 2 * bs * bs * vd + 2 * bs * kd * vd)
+    noisy = _gdn_readout_flops(t, bs, c, kd, vd)
     gdn = n_gdn * n_rows * nv * (clean + noisy)
+    ke, ve = (-(-d // gdn_lanes) * gdn_lanes for d in (kd, vd))
+    gdn_fwd_run = n_gdn * n_rows * nv * ((t // c) * _gdn_chunk_flops(c, ke, ve) + _gdn_readout_flops(t, bs, c, ke, ve))
+    gdn_bwd_run = n_gdn * n_rows * nv * ((t // c) * _gdn_chunk_backward_flops(c, ke, ve)
+                                         + _gdn_readout_backward_flops(t, bs, c, ke, ve))
+    runs = 2 if remat == "full" else 1  # the GDN forward kernels run once more under remat full
     lm_head = 2.0 * tokens * cfg.hidden_size * cfg.vocab_size
     layers = dense + attention + gdn
     return StepFlops(dense=dense, attention=attention, gdn=gdn, lm_head=lm_head,
                      recompute=layers if remat == "full" else 0.0,
+                     gdn_executed_extra=runs * gdn_fwd_run + gdn_bwd_run - (2 + runs) * gdn,
                      attention_recompute=1.5 * attention if flash_backward else 0.0)

@@ -144,8 +144,8 @@ class GatedDeltaNet(nnx.Module):
 
     def heads(self, conv: dict[str, jax.Array], repeat: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Post-conv channels -> q, k l2-normalised [B,T,nk,dk], repeated to nv heads [B,T,nv,dk] with
-        `repeat` (the block-mode and context-parallel ops need it; the causal op reads key head
-        h // (nv/nk) itself); v [B,T,nv,dv]; all three in the compute dtype (the conv's): with `dtype:
+        `repeat` (the context-parallel ops and the decode-side block readout need it; the causal and
+        block-mode ops read key head h // (nv/nk) themselves); v [B,T,nv,dv]; all three in the compute dtype (the conv's): with `dtype:
         bfloat16` the GDN kernels then run their chunk matmuls on bf16 operands with fp32
         accumulation (state and triangular inverse stay fp32 inside); the norm itself is taken in
         fp32 and rounded once."""
@@ -244,8 +244,8 @@ class GatedDeltaNet(nnx.Module):
         conv_n = self._block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg),
                                         {p: r for p, (r, _) in ring_parts.items()}, ring_seg)
         conv_n = {p: v.reshape(b, t, -1) for p, v in conv_n.items()}
-        q_c, k_c, v_c = self.heads(conv_c)
-        q_n, k_n, v_n = self.heads(conv_n)
+        q_c, k_c, v_c = self.heads(conv_c, repeat=False)  # grouped key heads: the block op indexes them
+        q_n, k_n, v_n = self.heads(conv_n, repeat=False)
         g, beta = self.gates(clean["b"], clean["a"])
         o_c, o_n, _ = pallas_kernels.block_gated_delta_rule(
             q_c, k_c, v_c, g, beta, q_n, k_n, v_n, self.bd_gdn_softmax_scalars[...],

@@ -23,18 +23,33 @@ def test_counts_by_hand():
     # pairs per row: clean 8*9/2 = 36, noisy 8*12/2 = 48 (block 0: 4 noisy keys; block 1: 4 clean + 4
     # noisy, 4 queries each); 4 H D = 32 per pair; 2 rows
     assert f.attention == 2 * 32 * (36 + 48) == 5376
-    # GDN per value head and row: 2 chunks of 4 x (7 matmuls of 128 + the inverse 2*2*2*64 = 512), and
-    # 2 noisy blocks x (128 + 128 + 128); 2 heads, 2 rows
-    assert f.gdn == 2 * 2 * (2 * (7 * 128 + 512) + 2 * 3 * 128) == 14336
+    # GDN per value head and row: 2 chunks of 4 x (8 matmuls of 128 in the phase split: k k^T, w, u,
+    # w S, q S, q k^T, P delta, the state update; + the inverse 2*2*2*64 = 512), and 2 noisy blocks
+    # (= chunks: no block starts inside one) x (128 + 128 + 128); 2 heads, 2 rows
+    assert f.gdn == 2 * 2 * (2 * (8 * 128 + 512) + 2 * 3 * 128) == 15360
     assert f.lm_head == 16 * 2 * 8 * 16 == 4096
-    assert f.forward == 120064 and f.model == 3 * 120064
-    assert f.executed == 3 * 120064 + (96256 + 5376 + 14336)  # remat full: the layers' forward again
-    assert sft_step_flops(CFG, rows=1, seq_len=8, block_size=4, remat="none").executed == 3 * 120064
+    assert f.forward == 121088 and f.model == 3 * 121088
+    # the GDN backward as the phase kernels run it, per head and row: 2 chunks x (11 + 6 + 10)
+    # matmuls of 128 and 2 noisy blocks x 9 x 128 = 9216, 2 heads, 2 rows, minus 2 x the forward
+    assert f.gdn_executed_extra == 2 * 2 * (2 * 27 * 128 + 2 * 9 * 128) - 2 * 15360 == 6144
+    # remat full: the layers' forward again
+    assert f.executed == 3 * 121088 + (96256 + 5376 + 15360) + 6144
+    assert sft_step_flops(CFG, rows=1, seq_len=8, block_size=4, remat="none").executed == 3 * 121088 + 6144
+    # blocks of 2 inside the chunks of 4: per chunk q S, q k^T and P v on the chunk's tile, and the
+    # mid-chunk readouts' Mn = q k^T and Mn delta (5 x 128 per chunk instead of 3 per block)
+    g = sft_step_flops(CFG, rows=1, seq_len=8, block_size=2, copies=2)
+    assert g.gdn == 2 * 2 * (2 * (8 * 128 + 512) + 2 * 5 * 128) == 17408
+    # executed on 8 lanes: dk = dv = 4 run as 8 (C k k^T-type products 2x, k S-type 4x, the inverse
+    # 1x); model FLOPs unchanged
+    p = sft_step_flops(CFG, rows=1, seq_len=8, block_size=4, copies=2, gdn_lanes=8)
+    fwd8 = 2 * 2 * (2 * (3 * 256 + 2 * 256 + 3 * 512 + 512) + 2 * (512 + 256 + 256))
+    bwd8 = 2 * 2 * (2 * (11 * 256 + 6 * 256 + 10 * 512) + 2 * 3 * (256 + 256 + 512))
+    assert p.model == f.model and p.gdn_executed_extra == 2 * fwd8 + bwd8 - 4 * 15360
     # a flash-style backward (dq kernel: 3 tile matmuls, dk/dv kernel: 4) runs 7 products per visible
     # pair where autodiff runs 4 (the forward: 2): 3 more = 1.5 x the attention forward, executed only
     fk = sft_step_flops(CFG, rows=1, seq_len=8, block_size=4, remat="none", flash_backward=True)
-    assert fk.attention_recompute == 2 * 3 * 2 * 4 * 2 * (36 + 48) and fk.model == 3 * 120064  # rows x 3 x 2 D H x pairs
-    assert fk.executed == 3 * 120064 + 8064
+    assert fk.attention_recompute == 2 * 3 * 2 * 4 * 2 * (36 + 48) and fk.model == 3 * 121088  # rows x 3 x 2 D H x pairs
+    assert fk.executed == 3 * 121088 + 6144 + 8064
 
 
 @pytest.mark.parametrize("t,bs", [(64, 4), (96, 32), (128, 16)])

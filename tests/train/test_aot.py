@@ -146,13 +146,13 @@ def test_compile_plans_the_recipe_sft_step_for_v5p_64_at_seq_8192():
     # the real collective, ragged dots, and the expert weight gradients from the megablox tgmm
     # kernel (JAX's own transpose would be a dense masked product over all local experts)
     assert "ragged-all-to-all" in hlo and "ragged-dot" in hlo and "tgmm" in hlo
-    assert "gdn_block_fwd" in hlo and "gdn_block_bwd" in hlo
+    assert all(f"gdn_block_{n}" in hlo for n in ("sweep", "noisy", "state_bwd", "parallel_bwd"))
     # both streams' attention through the splash kernels, forward and backward (attn_backend auto -> splash)
     assert "splash_mha_fwd" in hlo and "splash_mha_dkv" in hlo and "splash_mha_dq" in hlo
     # the plan's FLOPs (the optimized HLO walked with loop trip counts, every kernel costed) agree
     # with the analytic count of the step (sft.step_flops, remat full: the layers' forward twice)
     assert not p.hlo.uncosted.keys() - {"ragged-dot-metadata"} and not p.hlo.unknown_trips
-    assert {"splash_mha_fwd_segmented_residuals", "gdn_block_fwd", "tgmm", "ragged-dot-none"} <= p.hlo.kernels.keys()
+    assert {"splash_mha_fwd_segmented_residuals", "gdn_block_sweep", "tgmm", "ragged-dot-none"} <= p.hlo.kernels.keys()
     assert abs(p.flops_per_chip * p.topology.chips / p.analytic_flops - 1) < 0.10, p.table()
     assert p.xla_flops_per_chip < p.flops_per_chip  # XLA's own count takes each loop body once
     assert all(p.hlo.collective_bytes[k] > 0 for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all"))
