@@ -4,10 +4,11 @@
    history unit, on an eval set of chat records. Per setting: NFE, tokens per forward, steps per
    block, tokens per step, wall time, time to first token, task validity (tool-call JSON parses,
    names an offered function, has its required arguments; a text reply where the reference has
-   none), BFCL-style argument accuracy, exact match with the reference turn, repetition (repeated
-   3-gram rate, longest run of one token), agreement with AR greedy decoding (an AR baseline row is
-   decoded first) and, where the model reports it, the mean softmax share of the history unit per
-   GDN layer.
+   none), argument accuracy (`metrics.turn_match`: BFCL-style on call turns, the exact reply on
+   turns without calls; overall and on the two kinds apart), exact match with the reference turn,
+   repetition (repeated 3-gram rate, longest run of one token), agreement with AR greedy decoding
+   (an AR baseline row is decoded first) and, where the model reports it, the mean softmax share
+   of the history unit per GDN layer.
 2. Training-side support: the masked-token loss of the checkpoint per block size at fixed noise
    levels t (the same masks for every block size), and the learned (alpha, beta, gamma) per GDN
    layer and head.
@@ -108,6 +109,7 @@ class EvalExample:
     reference_calls: list[dict[str, Any]]
     tools: list[dict[str, Any]]
     expects_call: bool
+    reference_reply: str = ""  # the reference turn's text (what a turn without calls must say)
 
 
 RecordGenerator = Callable[[int, int], dict[str, Any]]  # (index, seed) -> one chat record
@@ -166,7 +168,8 @@ def build_examples(tok, records: list[dict[str, Any]], locations: list[str] | No
         target = target[: end + len("<|im_end|>")] if end >= 0 else target
         calls = ev.reference_calls(answer)
         out.append(EvalExample(tok.encode(p_text, add_special_tokens=False),
-                               tok.encode(target, add_special_tokens=False), calls, tools, bool(calls)))
+                               tok.encode(target, add_special_tokens=False), calls, tools, bool(calls),
+                               answer.get("content") or ""))
     return out
 
 
@@ -176,8 +179,8 @@ def _metrics(tok, ex: EvalExample, ids: list[int], eos: Sequence[int], ar_ids: l
     text = tok.decode(body, skip_special_tokens=False)
     validity = ev.tool_call_validity(text, ex.tools, ex.expects_call)
     ref_body = [t for t in ex.reference_ids if t not in eos]
-    return {"text": text, "valid": float(validity["valid"]),
-            "bfcl": float(ev.bfcl_match(text, ex.reference_calls)),
+    return {"text": text, "call": ex.expects_call, "valid": float(validity["valid"]),
+            "bfcl": float(ev.turn_match(text, ex.reference_calls, ex.reference_reply)),
             "exact": float(body == ref_body), "rep3": ev.repeated_ngram_rate(ids, 3),
             "run": ev.longest_repeated_run(ids),
             "ar_agree": ev.ar_agreement(ids, ar_ids) if ar_ids is not None else 1.0,
@@ -203,6 +206,7 @@ def run_setting(model, tok, examples: list[EvalExample], dcfg: DecodeConfig, eos
         per.append({"index": i, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
                     **{k: g.stats[k] for k in ("nfe", "tokens", "tokens_per_forward", "denoise_steps", "blocks")},
                     **m})
+    calls, talk = [p for p in per if p["call"]], [p for p in per if not p["call"]]
     tokens = sum(p["tokens"] for p in per)
     nfe = sum(p["nfe"] for p in per)
     steps = sum(g.stats["denoise_steps"] for g in gens)
@@ -218,6 +222,9 @@ def run_setting(model, tok, examples: list[EvalExample], dcfg: DecodeConfig, eos
         "tokens_per_step": 1.0 if ar_mode else tokens / max(steps, 1),
         "wall_s": wall, "s_per_token": wall / max(tokens, 1), "ttft_s": float(np.mean(ttft)),
         "validity": _mean(per, "valid"), "bfcl_accuracy": _mean(per, "bfcl"), "exact_match": _mean(per, "exact"),
+        # call turns (BFCL-style argument check) and text turns (the exact reply) apart
+        "n_call": sum(p["call"] for p in per), "validity_call": _mean(calls, "valid"),
+        "bfcl_accuracy_call": _mean(calls, "bfcl"), "bfcl_accuracy_no_call": _mean(talk, "bfcl"),
         "repeated_3gram_rate": _mean(per, "rep3"), "longest_run_mean": _mean(per, "run"),
         "longest_run_max": max((p["run"] for p in per), default=0),
         "ar_agreement": _mean(per, "ar_agree"), "ar_exact": _mean(per, "ar_exact"),
@@ -368,7 +375,10 @@ def run_calibrate(cfg: CalibrateConfig, *, generate_record: RecordGenerator | No
                                  None, False)
     ar_ids = [p["token_ids"] for p in ar_per]
     rows, details = [ar_row], [{"setting": ar_row, "examples": ar_per}]
-    print(f"AR baseline: {_fmt(ar_row['tokens_per_forward'])} tokens/forward, validity {_fmt(ar_row['validity'])}")
+    print(f"AR baseline: {_fmt(ar_row['tokens_per_forward'])} tokens/forward, validity {_fmt(ar_row['validity'])} "
+          f"(call turns {_fmt(ar_row['validity_call'])}), argument accuracy {_fmt(ar_row['bfcl_accuracy'])} "
+          f"(call turns {_fmt(ar_row['bfcl_accuracy_call'])} of {ar_row['n_call']}, "
+          f"text turns {_fmt(ar_row['bfcl_accuracy_no_call'])} of {ar_row['n'] - ar_row['n_call']})")
     for dcfg in settings(cfg):
         row, per = run_setting(model, tok, examples, dcfg, eos, bs, ar_ids, history)
         rows.append(row)

@@ -89,20 +89,23 @@ def tool_call_validity(text: str, tools: Sequence[dict[str, Any]], expects_call:
             "has_required": required}
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _value_match(got: Any, accepted: Any) -> bool:
-    """BFCL-style value check: numbers compare numerically (int vs float and numeric strings
-    allowed), strings case-insensitively after stripping; lists/dicts element-wise."""
+    """BFCL-style value check with the JSON types kept apart: a boolean only matches a boolean
+    (Python's True == 1 must not pass), a number only a JSON number (int vs float allowed, a
+    numeric string is a type error), a string only a string (case-insensitively after
+    stripping); lists/dicts element-wise."""
     options = accepted if isinstance(accepted, list) and accepted and isinstance(accepted[0], list) else [accepted]
     for acc in options:
         if isinstance(acc, bool) or isinstance(got, bool):
-            if got == acc:
+            if isinstance(acc, bool) and isinstance(got, bool) and got == acc:
                 return True
-        elif isinstance(acc, (int, float)):
-            try:
-                if float(got) == float(acc):
-                    return True
-            except (TypeError, ValueError):
-                pass
+        elif _is_number(acc):
+            if _is_number(got) and float(got) == float(acc):
+                return True
         elif isinstance(acc, str):
             if isinstance(got, str) and got.strip().lower() == acc.strip().lower():
                 return True
@@ -135,6 +138,17 @@ def bfcl_match(text: str, reference: Sequence[dict[str, Any]]) -> bool:
     return True
 
 
+def turn_match(text: str, reference_calls: Sequence[dict[str, Any]], reference_reply: str) -> bool:
+    """Argument accuracy of one assistant turn. A reference with calls: `bfcl_match`. A reference
+    without calls (a text reply, e.g. "None of the available tools can ..." or a greeting that
+    copies a name from the prompt): the output must be that reply, with no tool-call markup and the
+    same text after stripping (any text would otherwise pass, and the score would not see whether
+    the copied values are right)."""
+    if reference_calls:
+        return bfcl_match(text, reference_calls)
+    return "<tool_call>" not in text and "</tool_call>" not in text and text.strip() == reference_reply.strip()
+
+
 def repeated_ngram_rate(ids: Sequence[int], n: int = 3) -> float:
     """Fraction of the n-grams of `ids` that repeat an earlier n-gram (0 for fewer than n tokens)."""
     grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
@@ -160,5 +174,5 @@ def ar_agreement(ids: Sequence[int], ar_ids: Sequence[int]) -> float:
 
 __all__ = [
     "ar_agreement", "bfcl_match", "longest_repeated_run", "parse_tool_calls", "reference_calls",
-    "repeated_ngram_rate", "split_record", "tool_call_validity",
+    "repeated_ngram_rate", "split_record", "tool_call_validity", "turn_match",
 ]

@@ -99,7 +99,7 @@ def test_masked_loss_matches_direct_computation():
 
 def test_quality_metrics_on_hand_made_outputs():
     from clover_jax.decoding.metrics import (ar_agreement, bfcl_match, longest_repeated_run, repeated_ngram_rate,
-                                          tool_call_validity)
+                                          tool_call_validity, turn_match)
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {}, "unit": {}}, "required": ["city"]}}}]
@@ -116,6 +116,19 @@ def test_quality_metrics_on_hand_made_outputs():
     assert bfcl_match(good.replace('"Paris"}', '"Paris ", "unit": 20.0}'), ref)  # case, space, int vs float
     assert not bfcl_match(good, ref)  # a missing argument
     assert not bfcl_match(good.replace("Paris", "Rome").replace('"}', '", "unit": 20}'), ref)
+    # JSON types stay apart: a boolean is not the number 1 / 0, a numeric string is not a number
+    flag = [{"name": "get_weather", "arguments": {"city": "Paris", "unit": True}}]
+    assert bfcl_match(good.replace('"}', '", "unit": true}'), flag)
+    assert not bfcl_match(good.replace('"}', '", "unit": 1}'), flag)
+    zero = [{"name": "get_weather", "arguments": {"city": "Paris", "unit": 0}}]
+    assert not bfcl_match(good.replace('"}', '", "unit": false}'), zero)
+    assert not bfcl_match(good.replace('"}', '", "unit": "0"}'), zero)
+    assert bfcl_match(good.replace('"}', '", "unit": 0.0}'), zero)
+    # a turn without calls: only the reference's reply (stripped) matches
+    assert turn_match(" None of the tools can do it.\n", [], "None of the tools can do it.")
+    assert not turn_match("Sure.", [], "None of the tools can do it.")
+    assert not turn_match(good, [], "None of the tools can do it.")
+    assert turn_match(good, [{"name": "get_weather", "arguments": {"city": "Paris"}}], "")
     two = good + good.replace("Paris", "Rome")
     assert bfcl_match(two, [{"name": "get_weather", "arguments": {"city": "Rome"}},
                             {"name": "get_weather", "arguments": {"city": "Paris"}}])  # order free

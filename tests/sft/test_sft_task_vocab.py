@@ -5,8 +5,9 @@ Qwen3.6 tokenizer cut to the task, a compact chat template): one in-process `run
 - the model's embedding has the subset's rows (+ the mask token), its eos / pad ids are the subset
   ids of <|im_end|> / <|endoftext|>; the export ships the subset tokenizer and its map;
 - training lowers the held-out masked CE, below the uniform predictor's log V;
-- the scorer (`calibrate._metrics`: validity, BFCL-style argument accuracy, exact match) on
-  hand-made outputs of held-out prompts, through the subset tokenizer;
+- the scorer (`calibrate._metrics`: validity, argument accuracy, exact match) on hand-made outputs
+  of held-out prompts and on every held-out reference, through the subset tokenizer; a turn without
+  calls is right only with the reference's exact reply;
 - a rebuild from other data into the same dir is refused (a resume must see the same vocabulary).
 """
 
@@ -116,9 +117,18 @@ def test_scorer_on_hand_made_outputs(tmp_path):
         m = _metrics(tok, ex_call, enc(out), eos, None)
         assert (m["valid"], m["bfcl"], m["exact"]) == want, (out, m)
     reply = tok.decode(ex_talk.reference_ids)
-    for out, want in {reply: (1.0, 1.0, 1.0), "Sure.<|im_end|>": (1.0, 1.0, 0.0), ref: (0.0, 0.0, 0.0)}.items():
+    content = talk["messages"][1]["content"]
+    other = reply.replace(content, content.rsplit(" ", 1)[0] + " Zed.")  # the last word wrong
+    assert other != reply
+    # a turn without calls scores by its exact reply: another text is valid (no markup) but wrong
+    for out, want in {reply: (1.0, 1.0, 1.0), "Sure.<|im_end|>": (1.0, 0.0, 0.0), ref: (0.0, 0.0, 0.0),
+                      other: (1.0, 0.0, 0.0)}.items():
         m = _metrics(tok, ex_talk, enc(out), eos, None)
         assert (m["valid"], m["bfcl"], m["exact"]) == want, (out, m)
+    # every held-out reference, as the model would write it (its token ids), scores 1 on all three
+    for ex in build_examples(tok, recs):
+        m = _metrics(tok, ex, ex.reference_ids, eos, None)
+        assert (m["valid"], m["bfcl"], m["exact"]) == (1.0, 1.0, 1.0), m["text"]
 
 
 def test_a_rebuild_from_other_data_is_refused(trained, tmp_path):
