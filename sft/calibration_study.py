@@ -136,7 +136,7 @@ def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callabl
 
 def default_steps(cfg: StudyConfig) -> Steps:
     """The real steps: `run_sft` of the recipe, `calibrate_fit.run_fit`, `calibrate.run_calibrate`."""
-    from clover_jax.decoding.calibrate import CalibrateConfig, run_calibrate
+    from clover_jax.decoding.calibrate import CalibOverride, CalibrateConfig, run_calibrate
     from clover_jax.decoding.calibrate_fit import run_fit
     from sft.config import load_sft_config
     from sft.recipe import run_sft
@@ -162,6 +162,6 @@ def default_steps(cfg: StudyConfig) -> Steps:
         c = base(hf, out, {"eval": {"source": "jsonl", "path": str(ev), "n": cfg.eval_n}})
         run_calibrate(dataclasses.replace(c, sweep=dataclasses.replace(
             c.sweep, modes=("threshold",), block_sizes=tuple(sizes), thresholds=tuple(thresholds),
-            calibration=tuple(from_tree(type(c.sweep.calibration[0]), x, where="study") for x in cals))))
+            calibration=tuple(from_tree(CalibOverride, x, where="study calibration") for x in cals))))
 
     return Steps(train=train, fit=fit, sweep=sweep)

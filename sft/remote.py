@@ -21,23 +21,17 @@ start of `run_sft`, `RemoteOutputs.publish` at its end), with `train.remote`'s p
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from train.remote import copy_file, epath_of, files_under, is_remote, join, publish, stage_in
+from train.remote import copy_tree, epath_of, is_remote, join, publish, stage_in, staging_path
 
 if TYPE_CHECKING:
     from sft.config import SFTConfig
 
 __all__ = ["RemoteOutputs", "localize"]
-
-
-def _local(staging: str, what: str, uri: str) -> Path:
-    return Path(os.path.expanduser(staging)) / f"{what}-{hashlib.sha1(uri.encode()).hexdigest()[:12]}"
 
 
 @dataclass(frozen=True)
@@ -88,20 +82,17 @@ def localize(cfg: "SFTConfig") -> tuple["SFTConfig", RemoteOutputs]:
     logging, checkpoint, export = cfg.logging, cfg.checkpoint, cfg.export
     if is_remote(logging.run_dir):
         uri = logging.run_dir
-        local = _local(staging, "run", uri)
+        local = staging_path(staging, "run", uri)
         local.mkdir(parents=True, exist_ok=True)
         src = epath_of(uri)
         if src.exists():  # a resumed run: its metrics, summary, tokenizer subset (checkpoints stay remote)
-            for rel in files_under(src):
-                if rel.split("/", 1)[0] != "checkpoints":
-                    (local / rel).parent.mkdir(parents=True, exist_ok=True)
-                    copy_file(src / rel, local / rel)
+            copy_tree(src, local, skip=("checkpoints",))
         if checkpoint.dir is None:
             checkpoint = dataclasses.replace(checkpoint, dir=join(uri, "checkpoints"))
         logging = dataclasses.replace(logging, run_dir=str(local))
         run_pair = (str(local), uri)
     if is_remote(export.dir):
-        local = _local(staging, "export", export.dir)
+        local = staging_path(staging, "export", export.dir)
         shutil.rmtree(local, ignore_errors=True)  # the export is rewritten whole at the end of a run
         export_pair = (str(local), export.dir)
         export = dataclasses.replace(export, dir=str(local), overwrite=True)

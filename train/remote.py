@@ -20,7 +20,8 @@ from pathlib import Path
 
 from clover_jax.yaml_config import ConfigError
 
-__all__ = ["MARKER", "copy_file", "epath_of", "files_under", "is_remote", "join", "publish", "stage_in"]
+__all__ = ["MARKER", "copy_file", "copy_tree", "epath_of", "files_under", "is_remote", "join", "publish", "stage_in",
+           "staging_path"]
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 MARKER = ".staged"
@@ -47,12 +48,15 @@ def copy_file(src, dst) -> None:
         shutil.copyfileobj(f, g, length=16 << 20)
 
 
-def files_under(root) -> list[str]:
-    """Relative paths of every file under ``root`` (an `epath.Path` or a `pathlib.Path`), sorted."""
+def files_under(root, skip: tuple[str, ...] = ()) -> list[str]:
+    """Relative paths of every file under ``root`` (an `epath.Path` or a `pathlib.Path`), sorted;
+    top-level entries named in ``skip`` are not descended into (a bucket's checkpoint tree)."""
     out: list[str] = []
 
     def walk(d, rel: str) -> None:
         for child in sorted(d.iterdir(), key=lambda p: p.name):
+            if not rel and child.name in skip:
+                continue
             r = f"{rel}{child.name}"
             if child.is_dir():
                 walk(child, r + "/")
@@ -63,8 +67,25 @@ def files_under(root) -> list[str]:
     return out
 
 
+def copy_tree(src, dst, *, skip: tuple[str, ...] = (), last: tuple[str, ...] = ()) -> int:
+    """Copy every file under ``src`` to ``dst`` (either side local or remote), same relative paths,
+    the top-level files named in ``last`` after all others, top-level ``skip`` entries left out.
+    Returns the number of files copied."""
+    rels = sorted(files_under(src, skip), key=lambda r: r in last)  # stable: the others keep their order
+    for rel in rels:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        copy_file(src / rel, dst / rel)
+    return len(rels)
+
+
+def staging_path(staging_dir: str | os.PathLike, what: str, uri: str) -> Path:
+    """``<staging_dir>/<what>-<hash of uri>``: where a host keeps its copy of ``uri``."""
+    tag = hashlib.sha1(uri.encode()).hexdigest()[:12]
+    return Path(os.path.expanduser(str(staging_dir))) / f"{what.replace('.', '_')}-{tag}"
+
+
 def stage_in(uri: str, staging_dir: str | os.PathLike, what: str) -> Path:
-    """The local copy of the remote file tree at ``uri`` (module docstring); ``what`` names the
+    """The local copy of the remote directory at ``uri`` (module docstring); ``what`` names the
     setting in errors (e.g. "model.init_from")."""
     src = epath_of(uri)
     try:
@@ -73,8 +94,9 @@ def stage_in(uri: str, staging_dir: str | os.PathLike, what: str) -> Path:
         raise ConfigError(f"{what}: {uri}: {e} (pip install -e \".[cloud]\" brings gcsfs and s3fs)") from None
     if not exists:
         raise ConfigError(f"{what}: {uri} does not exist")
-    tag = hashlib.sha1(uri.encode()).hexdigest()[:12]
-    dst = Path(os.path.expanduser(str(staging_dir))) / f"{what.replace('.', '_')}-{tag}"
+    if not src.is_dir():
+        raise ConfigError(f"{what}: {uri} is a file; expected a directory (a data root or a checkpoint dir)")
+    dst = staging_path(staging_dir, what, uri)
     marker = dst / MARKER
     if marker.is_file() and marker.read_text() == uri:
         return dst
@@ -82,17 +104,14 @@ def stage_in(uri: str, staging_dir: str | os.PathLike, what: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        for rel in files_under(src) if src.is_dir() else [""]:  # a single file stages as itself
-            target = tmp / (rel or src.name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            copy_file(src / rel if rel else src, target)
+        copy_tree(src, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     (tmp / MARKER).write_text(uri)
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
-    return dst if src.is_dir() else dst / src.name
+    return dst
 
 
 def publish(local: str | os.PathLike, uri: str, *, last: tuple[str, ...] = ("config.json",),
@@ -100,13 +119,4 @@ def publish(local: str | os.PathLike, uri: str, *, last: tuple[str, ...] = ("con
     """Upload every file under ``local`` to ``uri`` (same relative paths, overwriting), the
     top-level files named in ``last`` after all others; top-level entries in ``skip`` stay local.
     Returns the number of files uploaded."""
-    root, dst = Path(local), epath_of(uri)
-    rels = [r for r in files_under(root) if r.split("/", 1)[0] not in skip and r != MARKER]
-    rels.sort(key=lambda r: r in last)  # stable: the others keep their order
-    for rel in rels:
-        target = dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        copy_file(root / rel, target)
-    return len(rels)
-
-
+    return copy_tree(Path(local), epath_of(uri), skip=(*skip, MARKER), last=last)

@@ -78,10 +78,13 @@ def test_stage_in_copies_once_and_never_trusts_a_partial_copy(bucket, monkeypatc
     assert (again / "model.safetensors").read_bytes() == FILES["model.safetensors"] and (again / MARKER).is_file()
 
 
-def test_stage_in_names_a_missing_uri(bucket):
+def test_stage_in_names_a_missing_uri_or_a_file(bucket):
     tmp, _ = bucket
     with pytest.raises(ConfigError, match=r"model.init_from: gs://b/nope does not exist"):
         stage_in("gs://b/nope", tmp / "staging", "model.init_from")
+    _tree(tmp / "gs:/b", {"one.json": b"{}"})
+    with pytest.raises(ConfigError, match=r"data_root: gs://b/one.json is a file; expected a directory"):
+        stage_in("gs://b/one.json", tmp / "staging", "data_root")
 
 
 def test_publish_uploads_the_named_files_last_and_skips(bucket, monkeypatch):
