@@ -63,13 +63,20 @@ def fit_gamma_shift(loss_of: Callable[[float], float], deltas: tuple[float, ...]
     """argmin over delta of ``loss_of`` (grid, then golden section between the best point's grid
     neighbours); returns (best delta, every evaluated delta -> loss)."""
     grid = sorted(set(deltas) | {0.0})
-    seen = {d: loss_of(d) for d in grid}
+    seen: dict[float, float] = {}
+
+    def at(d: float) -> float:  # each delta evaluated once (a forward per noise level)
+        if d not in seen:
+            seen[d] = loss_of(d)
+        return seen[d]
+
+    for d in grid:
+        at(d)
     i = min(range(len(grid)), key=lambda k: seen[grid[k]])
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
     a, b = hi - _GOLDEN * (hi - lo), lo + _GOLDEN * (hi - lo)
     for _ in range(refine_steps if hi > lo else 0):
-        fa = seen.setdefault(a, loss_of(a))
-        fb = seen.setdefault(b, loss_of(b))
+        fa, fb = at(a), at(b)
         if fa <= fb:
             hi, b = b, a
             a = hi - _GOLDEN * (hi - lo)
