@@ -8,6 +8,10 @@ Import as ``from tests.model.parity_utils import ...`` (tests/ is a package; pyt
   accumulation order differs between CPUs, e.g. with AVX-512): `FP32_REL` = 1e-5 for the same math
   in fp32 (a different op order, fusion or sharding); a test holds a smaller `rel` where it claims
   tighter agreement (a few ops only, or the same ops recomputed);
+* `rounding_floor`: how far a computation moves when its fp32 inputs move by half an ulp, the spread
+  any fp32 algorithm for the same math may show; where a problem is ill-conditioned (gradients
+  through a delta-rule recurrence) a test bounds the error by a multiple of this floor, measured on
+  the very inputs it checks, instead of by a constant;
 * `our_layer(model, i)`: decoder layer `i` of a `CloverModel` as a standalone `DecoderLayer`
   (its `attn` / `gdn` / `moe` submodules can then be run alone against the HF module of that layer);
 * `our_attention_ctx` / `our_gdn_ctx` / `our_moe_ctx`: the per-mixer contexts the model builds for a
@@ -41,6 +45,17 @@ def rel_err(ours: Any, ref: Any) -> float:
     ours, ref = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
     assert ours.shape == ref.shape, (ours.shape, ref.shape)
     return float(np.max(np.abs(ours - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
+def rounding_floor(f: Any, args: tuple, key: jax.Array) -> float:
+    """max over output leaves of `rel_err(f(*args'), f(*args))`, args' = every float leaf of `args`
+    times (1 + 2^-24 u), u ~ N(0, 1): the output's own sensitivity to fp32 input rounding."""
+    leaves, treedef = jax.tree.flatten(args)
+    keys = jax.random.split(key, len(leaves))
+    bumped = [l * (1 + 2.0**-24 * jax.random.normal(k, l.shape, l.dtype)) if jnp.issubdtype(l.dtype, jnp.floating) else l
+              for l, k in zip(leaves, keys)]
+    ref, moved = jax.tree.leaves(f(*args)), jax.tree.leaves(f(*jax.tree.unflatten(treedef, bumped)))
+    return max(rel_err(m, r) for m, r in zip(moved, ref))
 
 
 def assert_rel_close(ours: Any, ref: Any, rel: float, what: str = "") -> float:
@@ -134,7 +149,7 @@ def to_torch(x: Any) -> Any:
 
 
 __all__ = [
-    "FAST_COMPILE", "FP32_REL", "assert_rel_close", "fast_jit", "hf_causal_mask", "hf_position_embeddings",
+    "FAST_COMPILE", "FP32_REL", "assert_rel_close", "rounding_floor", "fast_jit", "hf_causal_mask", "hf_position_embeddings",
     "our_attention_ctx", "our_gdn_ctx", "our_layer", "our_layer_ctx", "our_moe_ctx", "rel_err", "to_torch",
 ]
 

@@ -12,7 +12,7 @@ from clover_jax.config import get_preset
 from clover_jax.model.clover_model import NO_SEGMENT
 from clover_jax.model.gdn import GatedDeltaNet
 from clover_jax.parallel import sharding as sh
-from tests.model.parity_utils import FAST_COMPILE, FP32_REL, assert_rel_close
+from tests.model.parity_utils import FAST_COMPILE, FP32_REL, assert_rel_close, rounding_floor
 
 CFG = get_preset("tiny").replace(mode="block", block_size=4, gdn_chunk_size=4)
 B, T = 2, 32
@@ -35,7 +35,9 @@ def _seg():
     return jnp.asarray(seg)
 
 
-def _run(fn, layer, x, seg, mesh=None):
+def _compiled(fn, layer, x, seg, mesh=None):
+    """The jitted (loss, y), (d state, d x) of `sum(sin(fn(layer, x)))`, compiled for x on one device
+    or row-sharded on `mesh`; returns (step, state, x placed)."""
     graphdef, state = nnx.split(layer)
 
     def f(state, x):
@@ -44,22 +46,29 @@ def _run(fn, layer, x, seg, mesh=None):
 
     step = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
     if mesh is None:
-        return step.lower(state, x).compile(compiler_options=FAST_COMPILE)(state, x)
+        return step.lower(state, x).compile(compiler_options=FAST_COMPILE), state, x
     x = jax.device_put(x, sh.batch_sharding(mesh, shape=x.shape))
     with sh.use_sharding(mesh):
-        return step.lower(state, x).compile(compiler_options=FAST_COMPILE)(state, x)
+        return step.lower(state, x).compile(compiler_options=FAST_COMPILE), state, x
 
 
 def _check(fn, width):
     layer = _layer()
     x = jax.random.normal(jax.random.key(2), (B, width, CFG.hidden_size))
     seg = _seg()
-    (_, want), (want_gs, want_gx) = _run(fn, layer, x, seg)
-    (_, got), (got_gs, got_gx) = _run(fn, layer, x, seg, sh.make_mesh(sh.MeshConfig(fsdp=1, context=8)))
+    one, state, x1 = _compiled(fn, layer, x, seg)
+    (_, want), (want_gs, want_gx) = one(state, x1)
+    many, state, xs = _compiled(fn, layer, x, seg, sh.make_mesh(sh.MeshConfig(fsdp=1, context=8)))
+    (_, got), (got_gs, got_gx) = many(state, xs)
     assert_rel_close(got, want, FP32_REL, "output")
-    assert_rel_close(got_gx, want_gx, FP32_REL, "dx")
+    # the gradients pass backward through the delta-rule products, whose conditioning amplifies
+    # rounding past FP32_REL (half an ulp on the inputs moves the one-device gradients by up to 8e-5
+    # over seeds 0-5); the sharded path composes the same products in another order, so its
+    # gradients are held to 4x that floor, measured here (a wrong halo or state is off by > 1e-2)
+    grad_rel = max(FP32_REL, 4 * rounding_floor(lambda s, x: one(s, x)[1], (state, x1), jax.random.key(3)))
+    assert_rel_close(got_gx, want_gx, grad_rel, "dx")
     for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(got_gs)[0], jax.tree.leaves(want_gs)):
-        assert_rel_close(g, r, FP32_REL, jax.tree_util.keystr(path))
+        assert_rel_close(g, r, grad_rel, jax.tree_util.keystr(path))
 
 
 def test_clean_forward_over_context_equals_one_device():
