@@ -36,8 +36,9 @@ from jax.sharding import PartitionSpec as P
 
 from . import gdn_chunk_math as cm
 from . import gdn_sharding
-from .gdn_pallas_calls import KernelConfig, backward_call, forward_call
-from .gdn_phase_calls import intra_call, parallel_backward_call, state_backward_call, sweep_call
+from . import gdn_phase_gpu as phase_gpu
+from .gdn_pallas_calls import forward_call
+from .gdn_phase_calls import KernelConfig, intra_call, parallel_backward_call, state_backward_call, sweep_call
 from .gdn_reference import _check_inputs, _masked_exp, _reset_flags, _segmented_cumsum
 
 f32 = jnp.float32
@@ -167,12 +168,7 @@ def _select(make, mode: tuple[str, str], *args):
                                   default=make(mode[1], True) if mode[0] == "auto" else make("tpu", False))
 
 
-def _forward(q, k, v, aux, s0, cfg: KernelConfig, mode: tuple[str, str], with_o: bool, with_states: bool):
-    """The one-step-per-chunk forward sweep (Triton form; block mode's state recompute)."""
-    return _select(_forward_make(cfg, *s0.shape[1:], with_o, with_states), mode, q, k, v, aux, s0)
-
-
-def _forward_make(cfg: KernelConfig, H: int, K: int, V: int, with_o: bool, with_states: bool):
+def _forward_make(cfg, H: int, K: int, V: int, with_o: bool, with_states: bool):
     def make(form, interpret):
         def call(*a):
             return tuple(forward_call(*a, cfg=cfg, form=form, interpret=interpret, with_o=with_o,
@@ -184,23 +180,10 @@ def _forward_make(cfg: KernelConfig, H: int, K: int, V: int, with_o: bool, with_
     return make
 
 
-def _backward_make(cfg: KernelConfig, H: int, K: int, V: int):
-    def make(form, interpret):
-        def call(*a):  # value-block partial sums -> totals (inside: platform branches must agree)
-            dq, dk, dv, daux, ds0 = backward_call(*a, cfg=cfg, form=form, interpret=interpret)
-            dt = a[0].dtype
-            return dq.sum(0).astype(dt), dk.sum(0).astype(dt), dv, daux.sum(0), ds0
-        Kp, Vp = (K, V) if interpret else _padded_dims(form, H, K, V)
-        return pad_heads(call, ("k", "k", "v", None, "st", "v", "s"), ("k", "k", "v", None, "s"), H, K, V, Kp, Vp)
-
-    return make
-
-
 # ------------------------------------------------------------------------------ custom VJP core
-# TPU (and the "tpu" interpret form): the phase-split kernels of gdn_phase_calls. CUDA (and the
-# "gpu" interpret form): the one-step-per-chunk Triton kernels of gdn_pallas_calls, on key heads
-# repeated inside the branch, until their phases exist; the branch returns a zero inverse so both
-# platform branches have the same residuals.
+# The phase split on every platform: TPU (and the "tpu" interpret form) runs the Mosaic kernels of
+# gdn_phase_calls, CUDA / ROCm (and the "gpu" interpret form) the Triton kernels of gdn_phase_gpu;
+# both return the same residuals (the per-chunk inverse).
 
 def _to_key_heads(x_BTX, HK: int, K: int):
     """Per-value-head [B, Tp, H*K] -> per-key-head [B, Tp, HK*K]: sums value head h into key head h // rep."""
@@ -215,18 +198,10 @@ def _to_value_heads(x_BTX, H: int, K: int):
 
 
 def _causal_forward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int, N: int):
-    C = cfg.chunk_size
-
     def make(form, interpret):
-        if form == "gpu":
-            old = _forward_make(cfg, H, K, V, with_o=True, with_states=False)(form, interpret)
-
-            def call(q, k, v, aux, s0):
-                final, o = old(_to_value_heads(q, H, K), _to_value_heads(k, H, K), v, aux, s0)
-                return o, final, jnp.zeros((q.shape[0], H, N, C, C), f32)
-            return call
-
         def call(q, k, v, aux, s0):
+            if form == "gpu":
+                return phase_gpu.causal_forward(q, k, v, aux, s0, cfg=cfg, interpret=interpret)
             T, w, u = intra_call(k, v, aux, K=k.shape[-1] // HK, cfg=cfg, interpret=interpret)
             final, o = sweep_call(q, k, w, u, aux, s0, cfg=cfg, interpret=interpret)
             return o, final, T
@@ -237,23 +212,21 @@ def _causal_forward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int, N: 
 
 
 def _causal_backward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int):
+    rep = H // HK
+
     def make(form, interpret):
-        if form == "gpu":
-            old_fwd = _forward_make(cfg, H, K, V, with_o=False, with_states=True)(form, interpret)
-            old_bwd = _backward_make(cfg, H, K, V)(form, interpret)
-
-            def call(q, k, v, aux, s0, T, dO, dfin):
-                qv, kv = _to_value_heads(q, H, K), _to_value_heads(k, H, K)
-                _, states = old_fwd(qv, kv, v, aux, s0)
-                dq, dk, dv, daux, ds0 = old_bwd(qv, kv, v, aux, states, dO, dfin)
-                return (_to_key_heads(dq.astype(f32), HK, K).astype(q.dtype),
-                        _to_key_heads(dk.astype(f32), HK, K).astype(q.dtype), dv, daux, ds0)
-            return call
-
         def call(q, k, v, aux, s0, T, dO, dfin):
-            Kx = k.shape[-1] // HK
             kw = dict(cfg=cfg, interpret=interpret)
-            w, u = intra_call(k, v, aux, K=Kx, T_in=T, **kw)       # WY from the saved inverse
+            if form == "gpu":
+                if rep & (rep - 1) == 0:
+                    return phase_gpu.causal_backward(q, k, v, aux, s0, T, dO, dfin, **kw)
+                # Triton tiles are powers of two: rep value heads as one rep * dv tile would not be
+                Kx = q.shape[-1] // HK
+                qv, kv = _to_value_heads(q, H, Kx), _to_value_heads(k, H, Kx)
+                dq, dk, *rest = phase_gpu.causal_backward(qv, kv, v, aux, s0, T, dO, dfin, **kw)
+                keys = lambda x: _to_key_heads(x.astype(f32), HK, Kx).astype(q.dtype)  # noqa: E731
+                return (keys(dq), keys(dk), *rest)
+            w, u = intra_call(k, v, aux, K=k.shape[-1] // HK, T_in=T, **kw)   # WY from the saved inverse
             _, states = sweep_call(q, k, w, u, aux, s0, with_o=False, with_states=True, **kw)
             dstates, ds0 = state_backward_call(q, k, w, aux, dO, dfin, **kw)
             dq, dk, dv, daux = parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, **kw)

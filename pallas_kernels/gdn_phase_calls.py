@@ -34,10 +34,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import gdn_block_math as bm
 from . import gdn_block_phase_math as bpm
+from . import gdn_chunk_math as cm
 from . import gdn_phase_math as pm
 from .cost import grid_estimate, spec
 from .gdn_chunk_math import AUX_WIDTH as AUX
-from .gdn_pallas_calls import KernelConfig
 
 f32 = jnp.float32
 #: tokens per grid step of the parallel kernels (G chunks of C): amortises the per-step overhead
@@ -55,6 +55,25 @@ def group_size(N: int, C: int, multiple: int = 1) -> int:
     (at least ``multiple``, which must divide N)."""
     return max(g for g in range(multiple, N + 1, multiple)
                if N % g == 0 and (g == multiple or g * C <= GROUP_TOKENS))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static options of the phase kernels (both forms).
+
+    chunk_size: C, tokens per chunk (64 default, the value HF and fla use).
+    scale: multiplier of q (dk ** -0.5 by convention), applied in fp32 inside the kernels.
+    block_v: value-tile width W of the GPU form's sweeps and output kernel (None: its launch table,
+        :mod:`pallas_kernels.gdn_phase_gpu`); the TPU form always takes the whole dv.
+    low_dtype: operand dtype of the chunk matmuls for low-precision inputs (None = fp32 HIGHEST).
+    """
+    chunk_size: int = 64
+    scale: float = 1.0
+    block_v: int | None = None
+    low_dtype: str | None = None
+
+    def mm(self) -> cm.MatmulPolicy:
+        return cm.MatmulPolicy(None if self.low_dtype is None else jnp.dtype(self.low_dtype))
 
 
 @dataclasses.dataclass(frozen=True)

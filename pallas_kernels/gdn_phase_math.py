@@ -79,8 +79,13 @@ def sweep_terms(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale: float, mm: MatmulPo
     q = q_CK.astype(f32) * scale
     k = k_CK.astype(f32)
     x.update(q=q, k=k, qe=x["ein"] * q, kd=x["eout"] * k, P=mm.dot(q, k, _NT) * x["E_at"],
-             delta=u_CW.astype(f32) - mm.dot(w_CK, S_KW))
+             delta=chunk_delta(w_CK, u_CW, S_KW, mm))
     return x
+
+
+def chunk_delta(w_CK, u_CW, S_KW, mm: MatmulPolicy) -> jax.Array:
+    """delta [C, W] fp32 = u - w S: the chunk's delta-rule updates given the state before it."""
+    return u_CW.astype(f32) - mm.dot(w_CK, S_KW)
 
 
 def chunk_sweep(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, *, scale: float, mm: MatmulPolicy):
@@ -90,9 +95,30 @@ def chunk_sweep(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, *, scale: float, mm: Matmu
 
 def sweep_outputs(x: dict[str, jax.Array], S_KW, mm: MatmulPolicy) -> tuple[jax.Array, jax.Array]:
     """(o, S') from a chunk's ``sweep_terms``."""
-    o = mm.dot(x["qe"], S_KW) + mm.dot(x["P"], x["delta"])
-    S_new = x["sdec"] * S_KW + mm.dot(x["kd"], x["delta"], _TN)
-    return o, S_new
+    return sweep_output(x, S_KW, mm), next_state(x["sdec"], x["kd"], x["delta"], S_KW, mm)
+
+
+def sweep_output(x: dict[str, jax.Array], S_KW, mm: MatmulPolicy) -> jax.Array:
+    """o [C, W] fp32 = diag(ein) (q s) S + P delta from a chunk's ``sweep_terms``."""
+    return mm.dot(x["qe"], S_KW) + mm.dot(x["P"], x["delta"])
+
+
+def next_state(sdec_11, kd_CK, delta_CW, S_KW, mm: MatmulPolicy) -> jax.Array:
+    """S' [K, W] fp32 = sdec S + kd^T delta (kd = diag(eout) k)."""
+    return sdec_11 * S_KW + mm.dot(kd_CK, delta_CW, _TN)
+
+
+def chunk_state_step(k_CK, w_CK, u_CW, aux_AC, S_KW, *, mm: MatmulPolicy) -> jax.Array:
+    """Phase b's state step alone (the GPU sweep, whose output phase is a separate parallel kernel):
+    S' [K, W] fp32 from the state S before the chunk. Two dependent matmuls: w S, then kd^T delta."""
+    eout = cm.row_to_col(cm.aux_row(aux_AC, EOUT))
+    sdec = jnp.max(cm.aux_row(aux_AC, SDEC), axis=1, keepdims=True)
+    return next_state(sdec, eout * k_CK.astype(f32), chunk_delta(w_CK, u_CW, S_KW, mm), S_KW, mm)
+
+
+def chunk_output(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, *, scale: float, mm: MatmulPolicy) -> jax.Array:
+    """Phase b's output alone, parallel over chunks once the states S are known: o [C, W] fp32."""
+    return sweep_output(sweep_terms(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale, mm), S_KW, mm)
 
 
 def chunk_state_backward(q_CK, k_CK, w_CK, aux_AC, dO_CW, dSn_KW, *, scale: float, mm: MatmulPolicy,

@@ -26,10 +26,8 @@ from pallas_kernels import (  # noqa: E402
 )
 from pallas_kernels import gdn_chunk_math as cm  # noqa: E402
 from pallas_kernels import gdn_pallas  # noqa: E402
-from pallas_kernels.gdn_pallas_calls import KernelConfig, backward_call, forward_call  # noqa: E402
 from tests.model.parity_utils import FP32_REL, assert_rel_close  # noqa: E402
 
-TOL = 1e-5
 #: fp32 criterion for the kernels against the references, values and gradients: max|diff| <= FP32_REL
 #: * max|ref| (the suite's convention, tests/model/parity_utils.py); measured <= 2.5e-7 on this file's case
 REL = FP32_REL
@@ -134,7 +132,7 @@ def pallas_tpu_form(*a, **kw):
     return chunk_gated_delta_rule_pallas(*a, interpret=True, interpret_form="tpu", **kw)
 
 
-def pallas_gpu_form(*a, **kw):  # also splits dv = 16 into 2 value blocks of 8
+def pallas_gpu_form(*a, **kw):  # also splits dv = 16 into 2 value tiles of 8
     return chunk_gated_delta_rule_pallas(*a, interpret=True, interpret_form="gpu", block_v=8, **kw)
 
 
@@ -172,8 +170,9 @@ def kernel_inputs(fn, *args) -> list[tuple]:
 
 @pytest.mark.parametrize("form", ["tpu", "gpu"])
 def test_pallas_matches_oracles(case, form):
-    """The TPU form runs on the grouped key heads (native GQA: its kernels read key head h // rep,
-    nothing repeated); the GPU form on grouped heads too (it repeats them inside its branch)."""
+    """Both forms are the phase split (TPU: Mosaic kernels; GPU: Triton kernels, here with dv split
+    into 2 value tiles) and run on the grouped key heads (native GQA: the kernels read key head
+    h // rep, nothing repeated)."""
     x, seg, rows, (o_ref, s_ref, g_ref) = case
     xg = grouped(x)
     g_ref = [to_key_heads(g_ref[0]), to_key_heads(g_ref[1])] + list(g_ref[2:])
@@ -188,9 +187,11 @@ def test_pallas_matches_oracles(case, form):
     for name, a, b in zip(NAMES, grads, g_ref):
         assert a.shape == b.shape and np.all(np.isfinite(a)), name
         assert rel(a, b) <= REL, name
-    if form == "tpu":  # the phase kernels read q, k at their HK * dk columns: no repeat before them
-        ins = dict(kernel_inputs(lambda *a: pallas_tpu_form(*a, chunk_size=C), *(xg[n] for n in NAMES[:5])))
-        assert ins["gdn_intra"][-1] == ins["gdn_sweep"][-1] == CASE["HK"] * CASE["DK"], ins
+    # the phase kernels read q, k at their HK * dk columns: no repeat before them
+    fn = pallas_tpu_form if form == "tpu" else pallas_gpu_form
+    ins = dict(kernel_inputs(lambda *a: fn(*a, chunk_size=C), *(xg[n] for n in NAMES[:5])))
+    first = ("gdn_intra", "gdn_sweep") if form == "tpu" else ("gdn_gpu_intra", "gdn_gpu_output")
+    assert ins[first[0]][-1] == ins[first[1]][-1] == CASE["HK"] * CASE["DK"], ins
 
 
 # bf16 bound, relative to each array's max: 4 u with u = 2^-8 the bf16 unit roundoff. Measured on
@@ -262,42 +263,16 @@ def test_unit_lower_inverse(kind):
     assert_rel_close(T, want, FP32_REL, kind)  # max|want| >= 1: the identity diagonal
 
 
-def test_head_padding_is_exact():
-    """The native forms zero-pad dk / dv (TPU lanes: multiples of 128; Triton: powers of two >= 16).
-    Run the padding wrapper around the interpreted kernels and compare with the unpadded call."""
-    x = make_case(B=1, T=32, HK=2, H=2, DK=12, DV=6, seed=9)
-    cfg = KernelConfig(chunk_size=16, scale=12 ** -0.5)
-    q, k, v, aux, s0 = gdn_pallas._prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], x["s0"], None, 16)
-    dO = jnp.asarray(x["w_o"]).reshape(1, 32, -1)
-
-    def both(q, k, v, aux, s0, dO, pad):
-        def fwd(*a):
-            return tuple(forward_call(*a, cfg=cfg, form="tpu", interpret=True, with_o=True, with_states=True))
-
-        def bwd(*a):  # as gdn_pallas._backward: value-block partial sums reduced before un-padding
-            dq, dk, dv, daux, ds0 = backward_call(*a, cfg=cfg, form="tpu", interpret=True)
-            return dq.sum(0), dk.sum(0), dv, daux.sum(0), ds0
-        if pad:
-            fwd = gdn_pallas.pad_heads(fwd, ("k", "k", "v", None, "s"), ("s", "v", "st"), 2, 12, 6, 16, 16)
-            bwd = gdn_pallas.pad_heads(bwd, ("k", "k", "v", None, "st", "v", "s"), ("k", "k", "v", None, "s"),
-                                       2, 12, 6, 16, 16)
-        final, o, states = fwd(q, k, v, aux, s0)
-        return (final, o, states) + tuple(bwd(q, k, v, aux, states, dO, final))
-
-    run = jax.jit(both, static_argnums=6)
-    for name, a, b in zip(("final", "o", "states", "dq", "dk", "dv", "daux", "ds0"),
-                          run(q, k, v, aux, s0, dO, True), run(q, k, v, aux, s0, dO, False)):
-        assert a.shape == b.shape and maxdiff(a, b) <= TOL, name
-
-
-def test_head_padding_is_exact_for_the_phase_kernels(monkeypatch):
-    """The TPU phase kernels under the padding wrapper (key heads grouped: HK = 1 for H = 2, so the
-    "q" arrays pad per key head), forced to pad dk 12 -> 16 and dv 6 -> 16 in the interpreter:
-    outputs and gradients equal the reference's."""
-    x = make_case(B=1, T=32, HK=1, H=2, DK=12, DV=6, seed=9)
+@pytest.mark.parametrize("form", ["tpu", "gpu"])
+def test_head_padding_is_exact_for_the_phase_kernels(monkeypatch, form):
+    """The phase kernels under the padding wrapper (key heads grouped: HK = 1 for H = 3, so the "q"
+    arrays pad per key head; on GPU a ratio of 3 also takes the repeated-key-head backward), forced
+    to pad dk 12 -> 16 and dv 6 -> 16 in the interpreter: outputs and gradients equal the reference's."""
+    x = make_case(B=1, T=32, HK=1, H=3, DK=12, DV=6, seed=9)
     xg = dict(x, q=x["q"][:, :, :1], k=x["k"][:, :, :1])
     monkeypatch.setattr(gdn_pallas, "_kernel_dims", lambda form, interpret, H, K, V: (16, 16))
-    o, s, grads = loss_and_grads(lambda *a, **kw: pallas_tpu_form(*a, **kw), xg, None, 16)
+    fn = functools.partial(chunk_gated_delta_rule_pallas, interpret=True, interpret_form=form)
+    o, s, grads = loss_and_grads(fn, xg, None, 16)
     o_r, s_r, g_r = loss_and_grads(chunk_gated_delta_rule_ref, xg, None, 16)
     assert rel(o, o_r) <= REL and rel(s, s_r) <= REL
     for name, a, b in zip(NAMES, grads, g_r):
