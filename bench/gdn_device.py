@@ -6,6 +6,10 @@
 On a lent H200 (its image has jax with the CUDA plugin; nothing else of ours is needed), as one call:
     PYTHONUNBUFFERED=1 python3 bench/gdn_device.py 2>&1 | tee $OUT/gdn_device.log
 
+The kernels are the phase split on both platforms (issue 17): on a GPU the Triton kernels of
+``pallas_kernels/gdn_phase_gpu.py`` with the launch options of its table for (dk, dv, chunk) (recorded
+in the JSON's meta), on a TPU the Mosaic kernels of ``gdn_phase_calls.py``.
+
 For each T and each op (``causal``: ``chunk_gated_delta_rule``; ``block``: ``block_gated_delta_rule``
 with block 32, chunk 64, both streams), on one packed row (3 documents) with an initial state:
 - errors: max |kernel - reference| / max |reference| of the outputs, the final state and every
@@ -22,6 +26,7 @@ measured, and it skips what would start after ``--budget-s``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -154,7 +159,12 @@ def main(argv: list[str] | None = None) -> dict:
     meta = {"jax": jax.__version__, "device": f"{dev.platform}: {dev.device_kind}", "host": platform.node(),
             "B": 1, "H": args.heads, "dk": args.dk, "dv": args.dv, "block": BLOCK, "chunk": CHUNK,
             "time_dtype": args.time_dtype, "repeats": args.repeats}
-    print(f"jax {jax.__version__} on {meta['device']}; H={args.heads} dk={args.dk} dv={args.dv}", flush=True)
+    if dev.platform == "gpu":
+        from pallas_kernels import gdn_phase_gpu
+        launch = gdn_phase_gpu.launch_for(args.dk, args.dv, CHUNK)
+        meta["gpu_launch"] = {**dataclasses.asdict(launch), "from_table": (args.dk, args.dv, CHUNK) in gdn_phase_gpu.LAUNCH}
+    print(f"jax {jax.__version__} on {meta['device']}; H={args.heads} dk={args.dk} dv={args.dv}"
+          + (f"; launch {meta['gpu_launch']}" if "gpu_launch" in meta else ""), flush=True)
     report = {"meta": meta, "rows": [], "skipped": []}
     start = time.perf_counter()
     for T in args.seqs:
@@ -172,8 +182,20 @@ def main(argv: list[str] | None = None) -> dict:
             out.write_text(json.dumps(report, indent=1))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
+    print_table(report["rows"])
     print(f"wrote {out}")
     return report
+
+
+def print_table(rows: list[dict]) -> None:
+    """One line per (T, op): kernel and reference times (ms), speed-ups, the worst error."""
+    print(f"\n{'T':>6} {'op':>6} | {'fwd':>9} {'ref fwd':>9} {'x':>5} | {'fwd+bwd':>9} {'ref f+b':>9} {'x':>5} | worst rel error")
+    for r in rows:
+        t = {k: v * 1e3 for k, v in r["time_s"].items()}
+        worst = max(r["errors"], key=r["errors"].get)
+        print(f"{r['T']:>6} {r['op']:>6} | {t['pallas_fwd']:9.2f} {t['reference_fwd']:9.2f} "
+              f"{t['reference_fwd'] / t['pallas_fwd']:5.1f} | {t['pallas_fwd_bwd']:9.2f} {t['reference_fwd_bwd']:9.2f} "
+              f"{t['reference_fwd_bwd'] / t['pallas_fwd_bwd']:5.1f} | {worst} {r['errors'][worst]:.1e}", flush=True)
 
 
 def print_row(r: dict) -> None:

@@ -54,9 +54,10 @@ def chunk_gated_delta_rule(
         segment_ids: optional int [B, T]; the state resets wherever the id changes from the previous token.
         chunk_size: chunk length of the WY/UT form (any value gives the same result; the Pallas
             kernel needs a multiple of 8 on TPU and a power of two >= 16 on GPU).
-        backend: "auto" = the Pallas kernel when the default JAX backend is TPU or GPU (TPU: the
-            phase-split kernels of ``gdn_phase_calls``; CUDA: the one-step-per-chunk Triton kernels
-            of ``gdn_pallas_calls``), else the jnp reference (so on a CPU host, AOT-compiling for a TPU topology needs "pallas");
+        backend: "auto" = the Pallas kernel when the default JAX backend is TPU or GPU (the phase
+            split of fla's chunk_gated_delta_rule on both: TPU the Mosaic kernels of
+            ``gdn_phase_calls``, CUDA the Triton kernels of ``gdn_phase_gpu``), else the jnp reference
+            (so on a CPU host, AOT-compiling for a TPU topology needs "pallas");
             "pallas" = the kernel (Mosaic on TPU, Triton on GPU, chosen at lowering time; the
             interpreter on CPU); "reference" = ``chunk_gated_delta_rule_ref``.
         interpret: Pallas interpret mode; None means interpret on CPU. Ignored by the reference.
@@ -104,9 +105,9 @@ def block_gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Both streams of a block-mode GDN layer (docs/design.md 3.2 B): see ``block_gated_delta_rule_ref``
     for the math and ``chunk_gated_delta_rule`` for backend / interpret / mesh (q, k and the noisy qn,
-    kn may be grouped key heads, as there). The Pallas path on TPU is the causal phase split with the
-    block readouts inside its sweep (``gdn_block_pallas``); ``block_size`` and ``chunk_size`` must
-    divide one another.
+    kn may be grouped key heads, as there). The Pallas path is the causal phase split with the block
+    readouts (``gdn_block_pallas``: inside the sweep on TPU, in the parallel output kernel on CUDA);
+    ``block_size`` and ``chunk_size`` must divide one another.
 
     Returns (o_clean [B, T, H, dv], o_noisy [B, T, H, dv], final clean state [B, H, dk, dv] fp32).
     """

@@ -52,12 +52,6 @@ def readout_combine(qn_BK, kn_BK, vn_BW, auxn_AB, r_BW, mm: MatmulPolicy):
     return mm.dot(P, vn_BW.astype(f32)) + ph * r_BW, col_to_row(ph)
 
 
-def block_readout_forward(qn_BK, kn_BK, vn_BW, auxn_AB, S_KW, *, scale: float, mm: MatmulPolicy):
-    """Noisy-block output o [Bk, W] fp32."""
-    r = mm.dot(qn_BK.astype(jnp.float32) * scale, S_KW)
-    return readout_combine(qn_BK, kn_BK, vn_BW, auxn_AB, r, mm)[0]
-
-
 def readout_combine_backward(qn_BK, kn_BK, vn_BW, auxn_AB, r_BW, dO_BW, mm: MatmulPolicy):
     """Reverse-mode of :func:`readout_combine` (its o) given the readout r: (dqn, dkn, dvn, dauxn
     [AUX_WIDTH, Bk], dr [Bk, W]), fp32; dqn holds only the softmax's share (not the readout's)."""
@@ -78,18 +72,3 @@ def readout_combine_backward(qn_BK, kn_BK, vn_BW, auxn_AB, r_BW, dO_BW, mm: Matm
     rows = _iota((AUX_WIDTH, Bk), 0)
     dauxn = jnp.where(rows == ALPHA, col_to_row(dalpha), 0.0) + jnp.where(rows == LHIST, col_to_row(dlh), 0.0)
     return dq, dk, dvn, dauxn, ph * dO
-
-
-def block_readout_backward(qn_BK, kn_BK, vn_BW, auxn_AB, S_KW, dO_BW, *, scale: float, mm: MatmulPolicy):
-    """Reverse-mode of :func:`block_readout_forward`.
-
-    Returns (dqn, dkn, dvn, dauxn [AUX_WIDTH, Bk], dS [K, W]), fp32. dauxn holds per query token
-    d/d(alpha) (its share of the head's alpha gradient) and d/d(LHIST); 0 elsewhere. dqn, dkn, dauxn
-    are partial sums over value blocks when dv is split (everything is linear in dO given p).
-    """
-    qs = qn_BK.astype(jnp.float32) * scale
-    r = mm.dot(qs, S_KW)                                            # history readout [Bk, W]
-    dq, dk, dvn, dauxn, dr = readout_combine_backward(qn_BK, kn_BK, vn_BW, auxn_AB, r, dO_BW, mm)
-    dS = mm.dot(qs, dr, _TN)
-    dq = dq + scale * mm.dot(dr, S_KW, _NT)
-    return dq, dk, dvn, dauxn, dS

@@ -4,26 +4,23 @@ Same math and convention as :func:`pallas_kernels.gdn_block_reference.block_gate
 the clean stream is the causal chunked GDN, and each noisy block of ``block_size`` tokens reads the
 clean state entering the block through one softmax over its in-block logits and the history unit.
 
-TPU (and the "tpu" interpret form): the phase split of the causal path (``gdn_phase_calls``) with
-chunks of ``chunk_size`` whatever the block: ``gdn_intra`` (parallel), ``gdn_block_sweep`` (the
-sequential sweep, which also reads every block-start state out, r = S_s^T (qn scale), two readout
-matmuls per chunk when blocks start inside chunks: :mod:`pallas_kernels.gdn_block_phase_math`),
-``gdn_block_noisy`` (parallel: the in-block softmax combined with r). Backward: the WY recompute and
-the state recompute of the causal path, ``gdn_block_state_bwd`` (the one reverse sweep; the readouts'
-cotangents join dS) and ``gdn_block_parallel_bwd`` (both streams' other cotangents). Residuals: the
-inputs, the per-chunk inverse and the history probability of every noisy token. q, k and the noisy
-qn, kn may be on grouped key heads (native GQA, as the causal path).
-
-CUDA (and the "gpu" interpret form), until the Triton phases exist: the fused one-sweep kernels of
-``gdn_block_pallas_calls``, whose chunk must tile the block grid (``kernel_chunk``: the block size when
-it divides ``chunk_size``), on key heads repeated inside the branch; its branch returns zero-filled
-residuals so both branches have one layout. The scalars' gradient comes back through ``auxn`` (alpha
+Both platforms run the phase split of the causal path with chunks of ``chunk_size`` whatever the
+block (``block_size`` and ``chunk_size`` must divide one another; r = S_s^T (qn scale) is the history
+readout of the block-start state, two readout matmuls per chunk when blocks start inside chunks:
+:mod:`pallas_kernels.gdn_block_phase_math`). TPU (and the "tpu" interpret form, ``gdn_phase_calls``):
+``gdn_intra`` (parallel), ``gdn_block_sweep`` (the sequential sweep, which also takes the readouts while
+the state is in VMEM), ``gdn_block_noisy`` (parallel: the in-block softmax combined with r). CUDA (and
+the "gpu" interpret form, ``gdn_phase_gpu``): intra, the state sweep, then the readouts in the
+parallel output kernel from the swept states, and the noisy kernel. Backward on both: the WY
+recompute from the saved inverse, the state recompute, the one reverse dS sweep (the readouts'
+cotangents join dS) and the parallel backward of both streams. Residuals: the inputs, the per-chunk
+inverse and the history probability of every noisy token. q, k and the noisy qn, kn may be on grouped
+key heads (native GQA, as the causal path). The scalars' gradient comes back through ``auxn`` (alpha
 broadcast over tokens, LHIST = beta + gamma log Bk): JAX autodiff of that jnp prep sums it per head.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -35,24 +32,13 @@ from . import gdn_block_math as bm
 from . import gdn_block_phase_math as bpm
 from . import gdn_chunk_math as cm
 from . import gdn_sharding
-from .gdn_block_pallas_calls import block_backward_call, block_forward_call
-from .gdn_pallas import (INTERPRET_FORMS, _forward_make as _causal_forward_make_old, _kernel_dims, _padded_dims, _prepare,
-                         _select, _to_key_heads, _to_value_heads, pad_heads)
-from .gdn_pallas_calls import KernelConfig
-from .gdn_phase_calls import BlockPlan, intra_call, noisy_forward_call, parallel_backward_call, state_backward_call, sweep_call
+from . import gdn_phase_gpu as phase_gpu
+from .gdn_pallas import INTERPRET_FORMS, _kernel_dims, _prepare, _select, on_value_heads, pad_heads
+from .gdn_phase_calls import (BlockPlan, KernelConfig, intra_call, noisy_forward_call, parallel_backward_call,
+                              state_backward_call, sweep_call)
 from .gdn_reference import _check_inputs, _reset_flags
 
 f32 = jnp.float32
-
-
-def kernel_chunk(chunk_size: int, block_size: int) -> int:
-    """The sweep's chunk length for a block size (see the module docstring)."""
-    if block_size % chunk_size == 0:
-        return chunk_size
-    if chunk_size % block_size == 0:
-        return block_size
-    raise ValueError(f"block_size {block_size} and chunk_size {chunk_size}: one must divide the other "
-                     "(the kernel's chunks must tile the block grid)")
 
 
 def _prepare_tiles(segment_ids, scalars_H3, aux, B: int, T: int, H: int, plan: BlockPlan, has_initial_state: bool):
@@ -97,116 +83,45 @@ def _prepare_tiles(segment_ids, scalars_H3, aux, B: int, T: int, H: int, plan: B
     return jnp.stack(rows, axis=-2)
 
 
-def _old_auxn(auxn, plan: BlockPlan, T: int):
-    """The fused kernel's per-block auxn [B, H, T / Bk, AUX, Bk] from the tiles (the blocks past T,
-    padding of the phase layout, dropped; a free reshape when R = Bk and nothing is padded)."""
-    B, H, NT, A, R = auxn.shape
-    m = R // plan.block
-    out = auxn.reshape(B, H, NT, A, m, plan.block).swapaxes(3, 4).reshape(B, H, NT * m, A, plan.block)
-    return out[:, :, :T // plan.block]
-
-
-def _tiles_from_old(dauxn_old, auxn_shape, plan: BlockPlan):
-    """The inverse of ``_old_auxn`` for its cotangent (zeros for the dropped blocks)."""
-    B, H, NT, A, R = auxn_shape
-    m = R // plan.block
-    d = jnp.pad(dauxn_old, ((0, 0), (0, 0), (0, NT * m - dauxn_old.shape[2]), (0, 0), (0, 0)))
-    return d.reshape(B, H, NT, m, A, plan.block).swapaxes(3, 4).reshape(auxn_shape)
-
-
-def _old_make(cfg_old, H, HK, K, V, r, backward: bool):
-    """The fused one-sweep block kernels (the GPU branch until its Triton phases exist): q / k
-    repeated to the value heads inside the branch, as the causal path's GPU branch."""
+def _forward_make(cfg, plan: BlockPlan, H, HK, K, V):
     def make(form, interpret):
-        Kp, Vp = (K, V) if interpret else _padded_dims(form, H, K, V)
-        if not backward:
-            def call(*a):
-                return tuple(block_forward_call(*a, cfg=cfg_old, r=r, form=form, interpret=interpret))
-            return pad_heads(call, ("k", "k", "v", None, "s", "k", "k", "v", None), ("s", "v", "v"), H, K, V, Kp, Vp)
-
-        def call(*a):
-            dq, dk, dv, daux, ds0, dqn, dkn, dvn, dauxn = block_backward_call(
-                *a, cfg=cfg_old, r=r, form=form, interpret=interpret)
-            dt = a[0].dtype  # value-block partial sums -> totals (platform branches must agree)
-            return (dq.sum(0).astype(dt), dk.sum(0).astype(dt), dv, daux.sum(0), ds0,
-                    dqn.sum(0).astype(dt), dkn.sum(0).astype(dt), dvn, dauxn.sum(0))
-        kinds_in = ("k", "k", "v", None, "st", "v", "s", "k", "k", "v", None, "v")
-        kinds_out = ("k", "k", "v", None, "s", "k", "k", "v", None)
-        return pad_heads(call, kinds_in, kinds_out, H, K, V, Kp, Vp)
-    return make
-
-
-def _forward_make(cfg, cfg_old, plan: BlockPlan, H, HK, K, V):
-    C = cfg.chunk_size
-
-    def make(form, interpret):
+        kw = dict(cfg=cfg, interpret=interpret)
         if form == "gpu":
-            old = _old_make(cfg_old, H, HK, K, V, plan.block // cfg_old.chunk_size, False)(form, interpret)
-
-            def call(q, k, v, aux, s0, qn, kn, vn, auxn, aux_old):
-                Tn, Tp = aux_old.shape[2] * aux_old.shape[-1], q.shape[1]
-                rv = lambda x: _to_value_heads(x[:, :Tn], H, K)  # noqa: E731
-                final, o, on = old(rv(q), rv(k), v[:, :Tn], aux_old, s0, rv(qn), rv(kn), vn[:, :Tn],
-                                   _old_auxn(auxn, plan, Tn))
-                pad = lambda x: jnp.pad(x, ((0, 0), (0, Tp - Tn), (0, 0)))  # noqa: E731
-                B, _, N = aux.shape[:3]
-                return (pad(o), pad(on), final, jnp.zeros((B, H, N, C, C), f32),
-                        jnp.zeros(auxn.shape[:3] + (1, auxn.shape[-1]), f32))
-            return call
-
-        def call(q, k, v, aux, s0, qn, kn, vn, auxn, aux_old):
-            kw = dict(cfg=cfg, interpret=interpret)
-            Kx = k.shape[-1] // HK
-            T_inv, w, u = intra_call(k, v, aux, K=Kx, **kw)
-            final, o, r = sweep_call(q, k, w, u, aux, s0, noisy=(qn, auxn, plan), **kw)
-            on, ph = noisy_forward_call(qn, kn, vn, auxn, r, K=Kx, **kw)
-            return o, on, final, T_inv, ph
+            def call(q, k, v, aux, s0, qn, kn, vn, auxn):
+                return phase_gpu.block_forward(q, k, v, aux, s0, qn, kn, vn, auxn, plan, **kw)
+        else:
+            def call(q, k, v, aux, s0, qn, kn, vn, auxn):
+                Kx = k.shape[-1] // HK
+                T_inv, w, u = intra_call(k, v, aux, K=Kx, **kw)
+                final, o, r = sweep_call(q, k, w, u, aux, s0, noisy=(qn, auxn, plan), **kw)
+                on, ph = noisy_forward_call(qn, kn, vn, auxn, r, K=Kx, **kw)
+                return o, on, final, T_inv, ph
         Kp, Vp = _kernel_dims(form, interpret, H, K, V)
-        return pad_heads(call, ("q", "q", "v", None, "s", "q", "q", "v", None, None), ("v", "v", "s", None, None),
+        return pad_heads(call, ("q", "q", "v", None, "s", "q", "q", "v", None), ("v", "v", "s", None, None),
                          H, K, V, Kp, Vp, HK)
     return make
 
 
-def _backward_make(cfg, cfg_old, plan: BlockPlan, H, HK, K, V):
+def _backward_make(cfg, plan: BlockPlan, H, HK, K, V):
     def make(form, interpret):
+        kw = dict(cfg=cfg, interpret=interpret)
         if form == "gpu":
-            C_old = cfg_old.chunk_size
-            states_make = _causal_forward_states_make(cfg_old, H, K, V)(form, interpret)
-            old = _old_make(cfg_old, H, HK, K, V, plan.block // C_old, True)(form, interpret)
-
-            def call(q, k, v, aux, s0, qn, kn, vn, auxn, aux_old, T, ph, dO, dOn, dfin):
-                Tn, Tp = aux_old.shape[2] * aux_old.shape[-1], q.shape[1]
-                rv = lambda x: _to_value_heads(x[:, :Tn], H, K)  # noqa: E731
-                qv, kv, qnv, knv = rv(q), rv(k), rv(qn), rv(kn)
-                _, states = states_make(qv, kv, v[:, :Tn], aux_old, s0)
-                dq, dk, dv, daux_old, ds0, dqn, dkn, dvn, dauxn = old(
-                    qv, kv, v[:, :Tn], aux_old, states, dO[:, :Tn], dfin, qnv, knv, vn[:, :Tn], _old_auxn(auxn, plan, Tn),
-                    dOn[:, :Tn])
-                pad = lambda x: jnp.pad(x, ((0, 0), (0, Tp - Tn), (0, 0)))  # noqa: E731
-                keys = lambda x: pad(_to_key_heads(x.astype(f32), HK, K).astype(q.dtype))  # noqa: E731
-                return (keys(dq), keys(dk), pad(dv), jnp.zeros_like(aux), ds0, keys(dqn), keys(dkn), pad(dvn),
-                        _tiles_from_old(dauxn, auxn.shape, plan), daux_old)
-            return call
-
-        def call(q, k, v, aux, s0, qn, kn, vn, auxn, aux_old, T, ph, dO, dOn, dfin):
-            kw = dict(cfg=cfg, interpret=interpret)
-            Kx = k.shape[-1] // HK
-            w, u = intra_call(k, v, aux, K=Kx, T_in=T, **kw)       # WY from the saved inverse
-            _, states = sweep_call(q, k, w, u, aux, s0, with_o=False, with_states=True, **kw)
-            dstates, ds0 = state_backward_call(q, k, w, aux, dO, dfin, noisy=(qn, auxn, ph, dOn, plan), **kw)
-            grads = parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO,
-                                           noisy=(qn, kn, vn, auxn, dOn, plan), **kw)
-            dq, dk, dv, daux, dqn, dkn, dvn, dauxn = grads
-            return dq, dk, dv, daux, ds0, dqn, dkn, dvn, dauxn, jnp.zeros_like(aux_old)
+            def gpu_call(q, k, v, aux, s0, qn, kn, vn, auxn, T, ph, dO, dOn, dfin):
+                return phase_gpu.block_backward(q, k, v, aux, s0, qn, kn, vn, auxn, plan, T, ph, dO, dOn, dfin, **kw)
+            call = on_value_heads(gpu_call, H, HK, (0, 1, 5, 6), (0, 1, 5, 6))
+        else:
+            def call(q, k, v, aux, s0, qn, kn, vn, auxn, T, ph, dO, dOn, dfin):
+                w, u = intra_call(k, v, aux, K=k.shape[-1] // HK, T_in=T, **kw)       # WY from the saved inverse
+                _, states = sweep_call(q, k, w, u, aux, s0, with_o=False, with_states=True, **kw)
+                dstates, ds0 = state_backward_call(q, k, w, aux, dO, dfin, noisy=(qn, auxn, ph, dOn, plan), **kw)
+                dq, dk, dv, daux, dqn, dkn, dvn, dauxn = parallel_backward_call(
+                    q, k, v, aux, T, w, u, states, dstates, dO, noisy=(qn, kn, vn, auxn, dOn, plan), **kw)
+                return dq, dk, dv, daux, ds0, dqn, dkn, dvn, dauxn
         Kp, Vp = _kernel_dims(form, interpret, H, K, V)
-        kinds_in = ("q", "q", "v", None, "s", "q", "q", "v", None, None, None, None, "v", "v", "s")
-        kinds_out = ("q", "q", "v", None, "s", "q", "q", "v", None, None)
+        kinds_in = ("q", "q", "v", None, "s", "q", "q", "v", None, None, None, "v", "v", "s")
+        kinds_out = ("q", "q", "v", None, "s", "q", "q", "v", None)
         return pad_heads(call, kinds_in, kinds_out, H, K, V, Kp, Vp, HK)
     return make
-
-
-def _causal_forward_states_make(cfg_old, H, K, V):
-    return _causal_forward_make_old(cfg_old, H, K, V, with_o=False, with_states=True)
 
 
 def _dims_of(s0, q):
@@ -214,31 +129,31 @@ def _dims_of(s0, q):
     return H, q.shape[-1] // K, K, V
 
 
-def _core_parts(q, k, v, aux, s0, qn, kn, vn, auxn, aux_old, cfg, cfg_old, mode, plan):
-    make = _forward_make(cfg, cfg_old, plan, *_dims_of(s0, q))
-    return _select(make, mode, q, k, v, aux, s0, qn, kn, vn, auxn, aux_old)
+def _core_parts(q, k, v, aux, s0, qn, kn, vn, auxn, cfg, mode, plan):
+    make = _forward_make(cfg, plan, *_dims_of(s0, q))
+    return _select(make, mode, q, k, v, aux, s0, qn, kn, vn, auxn)
 
 
 def _core_impl(*a):
     return _core_parts(*a)[:3]
 
 
-_core = jax.custom_vjp(_core_impl, nondiff_argnums=(10, 11, 12, 13))
+_core = jax.custom_vjp(_core_impl, nondiff_argnums=(9, 10, 11))
 
 
 def _core_fwd(*a):
     o, on, final, T_inv, ph = _core_parts(*a)
     # residuals: the inputs, the per-chunk inverse and the history probabilities (one per noisy token)
-    return (o, on, final), a[:10] + (T_inv, ph)
+    return (o, on, final), a[:9] + (T_inv, ph)
 
 
-def _core_bwd(cfg, cfg_old, mode, plan, res, cts):
-    q, k, v, aux, s0, qn, kn, vn, auxn, aux_old, T_inv, ph = res
+def _core_bwd(cfg, mode, plan, res, cts):
+    q, k, v, aux, s0, qn, kn, vn, auxn, T_inv, ph = res
     dO, dOn, dfin = cts
-    make = _backward_make(cfg, cfg_old, plan, *_dims_of(s0, q))
-    grads = _select(make, mode, q, k, v, aux, s0, qn, kn, vn, auxn, aux_old, T_inv, ph, dO.astype(v.dtype),
+    make = _backward_make(cfg, plan, *_dims_of(s0, q))
+    grads = _select(make, mode, q, k, v, aux, s0, qn, kn, vn, auxn, T_inv, ph, dO.astype(v.dtype),
                     dOn.astype(vn.dtype), dfin.astype(f32))
-    return tuple(g.astype(x.dtype) for g, x in zip(grads, res[:10]))
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, res[:9]))
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -267,7 +182,7 @@ def block_gated_delta_rule_pallas(
     batch_axes: tuple[str, ...] | None = None,
     head_axes: tuple[str, ...] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Both streams of a block-mode GDN layer in one fused Pallas sweep.
+    """Both streams of a block-mode GDN layer as Pallas kernels (one state sweep, the rest parallel).
 
     Args: the clean stream as ``chunk_gated_delta_rule_pallas`` (q, k [B, T, H, dk], v [B, T, H, dv],
         g, beta [B, T, H]); the noisy stream ``q_noisy, k_noisy, v_noisy`` of the same shapes;
@@ -292,21 +207,17 @@ def block_gated_delta_rule_pallas(
     if interpret_form not in INTERPRET_FORMS:
         raise ValueError(f"interpret_form must be one of {INTERPRET_FORMS}; got {interpret_form!r}")
     plan = BlockPlan(block_size, chunk_size)
-    C_old = kernel_chunk(chunk_size, block_size)
     low = None if q.dtype == f32 else jnp.dtype(q.dtype).name
     sc = float(K ** -0.5 if scale is None else scale)
     cfg = KernelConfig(chunk_size=chunk_size, scale=sc, block_v=block_v, low_dtype=low)
-    cfg_old = dataclasses.replace(cfg, chunk_size=C_old)
     mode = ({None: "auto", True: "interpret", False: "native"}[interpret], interpret_form)
     qf, kf, vf, aux, s0 = _prepare(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
-    # the fused GPU kernel's chunks tile the block grid: its own aux when they differ (unused on TPU)
-    aux_old = aux if C_old == chunk_size else _prepare(q, k, v, g, beta, initial_state, segment_ids, C_old)[3]
     auxn = _prepare_tiles(segment_ids, scalars_H3, aux, B, T, H, plan, initial_state is not None)
     Tp = qf.shape[1]
     flat = lambda x: jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, 0))).reshape(B, Tp, -1)  # noqa: E731
-    args = (qf, kf, vf, aux, s0, flat(q_noisy), flat(k_noisy), flat(v_noisy), auxn, aux_old)
+    args = (qf, kf, vf, aux, s0, flat(q_noisy), flat(k_noisy), flat(v_noisy), auxn)
 
-    core = lambda *a: _core(*a, cfg, cfg_old, mode, plan)  # noqa: E731
+    core = lambda *a: _core(*a, cfg, mode, plan)  # noqa: E731
     mesh = gdn_sharding.active_mesh(mesh)
     if mesh is None:
         o, on, final = core(*args)
@@ -314,7 +225,7 @@ def block_gated_delta_rule_pallas(
         # head axes must split the KEY heads evenly: a device's value heads then read its key heads
         b_axes, h_axes = gdn_sharding.gdn_mesh_axes(mesh, B, HK, batch_axes, head_axes)
         tok, head = P(b_axes, None, h_axes), P(b_axes, h_axes)
-        o, on, final = gdn_sharding.run_sharded(core, mesh, (tok, tok, tok, head, head, tok, tok, tok, head, head),
+        o, on, final = gdn_sharding.run_sharded(core, mesh, (tok, tok, tok, head, head, tok, tok, tok, head),
                                                 (tok, tok, head), *args)
     o, on = o[:, :T].reshape(B, T, H, V), on[:, :T].reshape(B, T, H, V)
     return o.astype(v.dtype), on.astype(v_noisy.dtype), final

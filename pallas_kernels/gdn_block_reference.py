@@ -1,4 +1,4 @@
-"""Plain-jnp reference of the Clover block-mode GDN (docs/design.md 3.2 B): the oracle of the fused kernel.
+"""Plain-jnp reference of the Clover block-mode GDN (docs/design.md 3.2 B): the oracle of the kernels.
 
 Two streams over the same T positions (argument convention of `gdn_reference`: q, k [B, T, HK, dk]
 l2-normalised, HK = H or grouped (value head h reads key head h // (H / HK)), v [B, T, H, dv], g / beta [B, T, H], state
@@ -110,7 +110,7 @@ def block_gated_delta_rule_ref(
 
     The clean output is exactly `chunk_gated_delta_rule_ref(..., chunk_size=chunk_size)` (so the
     clean stream equals the AR forward bit for bit); the block-entry states come from a second,
-    state-only sweep with chunks of `block_size` (the fused kernel gets both from one sweep).
+    state-only sweep with chunks of `block_size` (the kernels read them out of their one sweep).
 
     Returns (o_clean [B, T, H, dv] in v's dtype, o_noisy [B, T, H, dv] in v's dtype, final clean
     state [B, H, dk, dv] fp32).

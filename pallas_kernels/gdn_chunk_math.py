@@ -1,10 +1,12 @@
-"""Per-chunk math of the chunked gated delta rule, forward and hand-derived backward.
+"""Per-chunk building blocks of the chunked gated delta rule (the aux layout, the matmul policy, the
+triangular inverse, row / column moves) and the one-step per-chunk forward, the oracle of the phase
+split (:mod:`pallas_kernels.gdn_phase_math`) that the kernels run.
 
 These functions work on plain 2-D arrays of ONE (batch, head, value-block) and one chunk, using only
 ops that lower in every Pallas backend we target (Mosaic TPU, Triton GPU, interpret): 2-D dots
 (NN, NT, TN), elementwise math, ``where``, 2-D iota and axis reductions. No slicing of values, no
-transposes of vectors, no cumsum, no triangular solve. The Pallas kernels call them on the blocks
-they load; tests call them directly against ``jax.vjp``.
+transposes of vectors, no cumsum, no triangular solve. The Pallas kernels call them (through the
+phase math) on the blocks they load.
 
 Chunk inputs (C = chunk length, K = key dim, W = width of the value block, a slice of dv):
 
@@ -141,66 +143,10 @@ def _chunk_common(q_CK, k_CK, v_CW, aux_AC, S_KW, scale: float, mm: MatmulPolicy
 
 
 def chunk_forward(q_CK, k_CK, v_CW, aux_AC, S_KW, *, scale: float, mm: MatmulPolicy):
-    """One chunk: returns (o_CW fp32, S'_KW fp32). See the module docstring for the math."""
+    """One chunk in one step: returns (o_CW fp32, S'_KW fp32). See the module docstring for the math.
+    The kernels run the phase split of :mod:`pallas_kernels.gdn_phase_math`; this one-step form is
+    its per-chunk oracle (tests/kernels/test_gdn_phase_math.py)."""
     x = _chunk_common(q_CK, k_CK, v_CW, aux_AC, S_KW, scale, mm)
     o = x["ein"] * mm.dot(x["q"], S_KW) + mm.dot(x["P"], x["delta"])
     S_new = x["sdec"] * S_KW + mm.dot(x["eout"] * x["k"], x["delta"], _TN)
     return o, S_new
-
-
-def chunk_backward(q_CK, k_CK, v_CW, aux_AC, S_KW, dO_CW, dSn_KW, *, scale: float, mm: MatmulPolicy):
-    """Reverse-mode of :func:`chunk_forward` (recomputes the forward intermediates).
-
-    Args: the forward inputs, ``dO_CW`` the output cotangent and ``dSn_KW`` the cotangent of S'.
-    Returns: (dq_CK, dk_CK, dv_CW, daux_AC, dS_KW), all fp32. ``daux`` holds d/d(cum, beta, ein, eout)
-    per token, d/d(sdec) at token 0 only (sdec is one value broadcast over the chunk), 0 for RUN and
-    the spare rows. dq, dk and daux are partial sums over value blocks when dv is split.
-    """
-    f32 = jnp.float32
-    x = _chunk_common(q_CK, k_CK, v_CW, aux_AC, S_KW, scale, mm)
-    q, k, v, beta, ein, eout = x["q"], x["k"], x["v"], x["beta"], x["ein"], x["eout"]
-    delta, T, P = x["delta"], x["T"], x["P"]
-    dO = dO_CW.astype(f32)
-    C = q.shape[0]
-
-    # S' = sdec S + (eout k)^T delta
-    KdS = mm.dot(k, dSn_KW)                                     # [C, W]
-    ddelta = mm.dot(P, dO, _TN) + eout * KdS
-    deout = jnp.sum(KdS * delta, axis=1, keepdims=True)
-    dk = eout * mm.dot(delta, dSn_KW, _NT)
-    dsdec = jnp.sum(jnp.sum(S_KW * dSn_KW, axis=1, keepdims=True), axis=0, keepdims=True)
-    dS = x["sdec"] * dSn_KW
-    # o = ein (q S) + (QK * Dat) delta
-    dP = mm.dot(dO, delta, _NT)                                 # [C, C]
-    dQK = dP * x["E_at"]
-    OSt = mm.dot(dO, S_KW, _NT)                                 # [C, K]
-    dq = ein * OSt + mm.dot(dQK, k)
-    dk = dk + mm.dot(dQK, q, _TN)
-    dein = jnp.sum(q * OSt, axis=1, keepdims=True)
-    dS = dS + mm.dot(ein * q, dO, _TN)
-    # delta = T R with T = (I + A)^-1  =>  dR = T^T ddelta, dA = -dR delta^T
-    dR = mm.dot(T, ddelta, _TN)
-    dA = -mm.dot(dR, delta, _NT)
-    # R = beta (v - ein KS)
-    dv = beta * dR
-    dbeta = jnp.sum(dR * (v - ein * x["KS"]), axis=1, keepdims=True)
-    dein = dein - beta * jnp.sum(dR * x["KS"], axis=1, keepdims=True)
-    dKS = -(beta * ein) * dR
-    dk = dk + mm.dot(dKS, S_KW, _NT)
-    dS = dS + mm.dot(k, dKS, _TN)
-    # A = beta G Dut,  G = k k^T
-    dAE = dA * x["E_ut"]
-    dbeta = dbeta + jnp.sum(dAE * x["G"], axis=1, keepdims=True)
-    dG = beta * dAE
-    dk = dk + mm.dot(dG, k) + mm.dot(dG, k, _TN)
-    # E_ij = exp(cum_i - cum_j): d cum_i += sum_j F_ij, d cum_j -= sum_i F_ij
-    F = dQK * x["QK"] + dAE * beta * x["G"]      # dE * E (dQK = dP E_at, dAE = dA E_ut)
-    dcum_r = col_to_row(jnp.sum(F, axis=1, keepdims=True)) - jnp.sum(F, axis=0, keepdims=True)
-    dq = dq * scale
-
-    rows = _iota((AUX_WIDTH, C), 0)
-    first = _iota((AUX_WIDTH, C), 1) == 0
-    daux = (jnp.where(rows == CUM, dcum_r, 0.0) + jnp.where(rows == BETA, col_to_row(dbeta), 0.0)
-            + jnp.where(rows == EIN, col_to_row(dein), 0.0) + jnp.where(rows == EOUT, col_to_row(deout), 0.0)
-            + jnp.where((rows == SDEC) & first, dsdec, 0.0))
-    return dq, dk, dv, daux, dS

@@ -10,15 +10,17 @@ Structure (who does what):
    (see :mod:`pallas_kernels.gdn_chunk_math`). Segment semantics are those
    of :mod:`pallas_kernels.gdn_reference`: a document starts where the id changes from the previous
    token, never at t = 0; the initial state belongs to token 0's document.
-2. ``_core`` (``jax.custom_vjp``): Pallas forward sweep (state in VMEM scratch / loop carry) ->
-   (o, final state). Residuals: the kernel inputs only. Backward = two Pallas kernels: a forward
-   sweep that recomputes the per-chunk start states (cheaper than storing [N, K, V] per head across
-   the whole forward), then a reverse sweep carrying dS that recomputes each chunk's intermediates
-   and emits dq, dk, dv, d_aux and d_initial_state. The per-chunk math is in
-   :mod:`pallas_kernels.gdn_chunk_math`.
-3. Backend choice inside ``_core``: ``jax.lax.platform_dependent`` picks the Mosaic form on TPU, the
-   Triton form on CUDA, and the interpret form elsewhere (CPU), at lowering time, so an AOT compile
-   for a TPU topology on a CPU host gets the real kernel.
+2. ``_core`` (``jax.custom_vjp``): the phase split of fla's ``chunk_gated_delta_rule`` (per-chunk
+   math: :mod:`pallas_kernels.gdn_phase_math`): a parallel intra-chunk kernel (k k^T, the triangular
+   inverse T, the WY form w, u), the sequential state sweep, the output -> (o, final state).
+   Residuals: the inputs and T. Backward: the WY form from T (no re-inversion), the states re-swept,
+   one reverse sweep carrying dS, every other cotangent parallel over chunks.
+3. Backend choice inside ``_core``: ``jax.lax.platform_dependent`` picks the Mosaic kernels on TPU
+   (:mod:`pallas_kernels.gdn_phase_calls`: grid steps over chunks, the state in VMEM scratch, the
+   output inside the sweep), the Triton kernels on CUDA / ROCm (:mod:`pallas_kernels.gdn_phase_gpu`:
+   the sweeps loop over chunks per (row, head, dv tile), the output a parallel kernel), and the
+   interpret form elsewhere (CPU), at lowering time, so an AOT compile for a TPU topology on a CPU
+   host gets the real kernel.
 4. With a multi-device mesh, ``_core`` runs under ``shard_map`` over batch and heads
    (:mod:`pallas_kernels.gdn_sharding`).
 
@@ -29,15 +31,16 @@ operands (fp32 accumulation) and only the triangular inverse in fp32 at HIGHEST.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from . import gdn_chunk_math as cm
-from . import gdn_sharding
 from . import gdn_phase_gpu as phase_gpu
-from .gdn_pallas_calls import forward_call
+from . import gdn_sharding
 from .gdn_phase_calls import KernelConfig, intra_call, parallel_backward_call, state_backward_call, sweep_call
 from .gdn_reference import _check_inputs, _masked_exp, _reset_flags, _segmented_cumsum
 
@@ -168,18 +171,6 @@ def _select(make, mode: tuple[str, str], *args):
                                   default=make(mode[1], True) if mode[0] == "auto" else make("tpu", False))
 
 
-def _forward_make(cfg, H: int, K: int, V: int, with_o: bool, with_states: bool):
-    def make(form, interpret):
-        def call(*a):
-            return tuple(forward_call(*a, cfg=cfg, form=form, interpret=interpret, with_o=with_o,
-                                      with_states=with_states))
-        Kp, Vp = (K, V) if interpret else _padded_dims(form, H, K, V)
-        out_kinds = ("s",) + (("v",) if with_o else ()) + (("st",) if with_states else ())
-        return pad_heads(call, ("k", "k", "v", None, "s"), out_kinds, H, K, V, Kp, Vp)
-
-    return make
-
-
 # ------------------------------------------------------------------------------ custom VJP core
 # The phase split on every platform: TPU (and the "tpu" interpret form) runs the Mosaic kernels of
 # gdn_phase_calls, CUDA / ROCm (and the "gpu" interpret form) the Triton kernels of gdn_phase_gpu;
@@ -197,7 +188,24 @@ def _to_value_heads(x_BTX, H: int, K: int):
     return jnp.repeat(x_BTX.reshape(B, Tp, HX // K, K), H // (HX // K), axis=2).reshape(B, Tp, H * K)
 
 
-def _causal_forward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int, N: int):
+def on_value_heads(call, H: int, HK: int, grouped_in: tuple[int, ...], grouped_out: tuple[int, ...]):
+    """Wraps a GPU-form backward call for a head ratio rep = H / HK that is not a power of two (its
+    parallel kernel reads a key head's rep value heads as one rep * dv tile, and Triton tiles are
+    powers of two): the operands at ``grouped_in`` ([B, Tp, HK*K]) run repeated to the H value heads,
+    the results at ``grouped_out`` come back summed (fp32) to the key heads."""
+    rep = H // HK
+    if rep & (rep - 1) == 0:
+        return call
+
+    def wrapped(*a):
+        K = a[grouped_in[0]].shape[-1] // HK
+        outs = call(*(_to_value_heads(x, H, K) if i in grouped_in else x for i, x in enumerate(a)))
+        return tuple(_to_key_heads(x.astype(f32), HK, K).astype(x.dtype) if i in grouped_out else x
+                     for i, x in enumerate(outs))
+    return wrapped
+
+
+def _causal_forward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int):
     def make(form, interpret):
         def call(q, k, v, aux, s0):
             if form == "gpu":
@@ -212,25 +220,17 @@ def _causal_forward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int, N: 
 
 
 def _causal_backward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int):
-    rep = H // HK
-
     def make(form, interpret):
-        def call(q, k, v, aux, s0, T, dO, dfin):
-            kw = dict(cfg=cfg, interpret=interpret)
-            if form == "gpu":
-                if rep & (rep - 1) == 0:
-                    return phase_gpu.causal_backward(q, k, v, aux, s0, T, dO, dfin, **kw)
-                # Triton tiles are powers of two: rep value heads as one rep * dv tile would not be
-                Kx = q.shape[-1] // HK
-                qv, kv = _to_value_heads(q, H, Kx), _to_value_heads(k, H, Kx)
-                dq, dk, *rest = phase_gpu.causal_backward(qv, kv, v, aux, s0, T, dO, dfin, **kw)
-                keys = lambda x: _to_key_heads(x.astype(f32), HK, Kx).astype(q.dtype)  # noqa: E731
-                return (keys(dq), keys(dk), *rest)
-            w, u = intra_call(k, v, aux, K=k.shape[-1] // HK, T_in=T, **kw)   # WY from the saved inverse
-            _, states = sweep_call(q, k, w, u, aux, s0, with_o=False, with_states=True, **kw)
-            dstates, ds0 = state_backward_call(q, k, w, aux, dO, dfin, **kw)
-            dq, dk, dv, daux = parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, **kw)
-            return dq, dk, dv, daux, ds0
+        kw = dict(cfg=cfg, interpret=interpret)
+        if form == "gpu":
+            call = on_value_heads(functools.partial(phase_gpu.causal_backward, **kw), H, HK, (0, 1), (0, 1))
+        else:
+            def call(q, k, v, aux, s0, T, dO, dfin):
+                w, u = intra_call(k, v, aux, K=k.shape[-1] // HK, T_in=T, **kw)   # WY from the saved inverse
+                _, states = sweep_call(q, k, w, u, aux, s0, with_o=False, with_states=True, **kw)
+                dstates, ds0 = state_backward_call(q, k, w, aux, dO, dfin, **kw)
+                dq, dk, dv, daux = parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, **kw)
+                return dq, dk, dv, daux, ds0
         Kp, Vp = _kernel_dims(form, interpret, H, K, V)
         return pad_heads(call, ("q", "q", "v", None, "s", None, "v", "s"), ("q", "q", "v", None, "s"),
                          H, K, V, Kp, Vp, HK)
@@ -240,8 +240,7 @@ def _causal_backward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int):
 
 def _core_parts(q, k, v, aux, s0, cfg, mode):
     H, K, V = s0.shape[1:]
-    HK, N = q.shape[-1] // K, aux.shape[2]
-    return _select(_causal_forward_make(cfg, H, HK, K, V, N), mode, q, k, v, aux, s0)
+    return _select(_causal_forward_make(cfg, H, q.shape[-1] // K, K, V), mode, q, k, v, aux, s0)
 
 
 def _core_impl(q, k, v, aux, s0, cfg, mode):
@@ -302,9 +301,10 @@ def chunk_gated_delta_rule_pallas(
         scale: q multiplier, default dk ** -0.5.
         interpret: None = Mosaic on TPU, Triton on CUDA, interpret elsewhere; True = always
             interpret; False = never (fails on CPU).
-        interpret_form: which kernel form the interpreter runs, "tpu" (grid over chunks with the
-            state in scratch) or "gpu" (one program per (b, h, v-block) looping over chunks).
-        block_v: value-block width (see ``KernelConfig``).
+        interpret_form: which kernel form the interpreter runs, "tpu" (the Mosaic kernels: grid over
+            chunks with the state in scratch) or "gpu" (the Triton kernels: sweeps of one program
+            per (b, h, dv tile) looping over chunks).
+        block_v: the GPU form's dv tile width (see ``KernelConfig``; None: its launch table).
         mesh, batch_axes, head_axes: sharding of the kernel call, see :mod:`pallas_kernels.gdn_sharding`.
 
     Returns:

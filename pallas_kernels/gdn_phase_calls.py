@@ -1,5 +1,6 @@
-"""The ``pallas_call``s of the phase-split chunked causal GDN (TPU form; the interpreter runs the same
-kernels on CPU). Per-chunk math: :mod:`pallas_kernels.gdn_phase_math`.
+"""The ``pallas_call``s of the phase-split chunked causal GDN, TPU form (Mosaic; the interpreter runs the
+same kernels on CPU; the GPU form, :mod:`pallas_kernels.gdn_phase_gpu`, reuses the parallel kernels'
+bodies). Per-chunk math: :mod:`pallas_kernels.gdn_phase_math`.
 
 Layout (prepared by :mod:`pallas_kernels.gdn_pallas`), T padded to Tp = N * C, H value heads, HK key
 heads (value head h reads key head h // rep, rep = H / HK: native GQA, the BlockSpecs pick the key

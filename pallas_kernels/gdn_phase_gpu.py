@@ -1,5 +1,5 @@
-"""The ``pallas_call``s of the phase-split chunked causal GDN, GPU form (Pallas Triton; the interpreter
-runs the same kernels on CPU). Same layout and per-chunk math as the TPU form
+"""The ``pallas_call``s of the phase-split chunked GDN (causal, and block mode's both streams), GPU form
+(Pallas Triton; the interpreter runs the same kernels on CPU). Same layout and per-chunk math as the TPU form
 (:mod:`pallas_kernels.gdn_phase_calls`, :mod:`pallas_kernels.gdn_phase_math`), fla's
 ``chunk_gated_delta_rule`` plan: only the state recurrence is sequential.
 
@@ -20,6 +20,12 @@ Kernels (grid):
 - ``parallel_backward_call`` (B, HK, N): every other cotangent (the TPU kernel body, one chunk a
   step; a key head's rep value heads are one rep * dv tile, their dq, dk summed in fp32).
 
+Block mode (``noisy=``; :mod:`pallas_kernels.gdn_block_phase_math`, readout tiles of R = max(block,
+chunk) rows): the output kernel also takes the history readouts r from the swept states (every
+chunk when blocks start inside chunks, else at each tile's first chunk), ``noisy_forward_call``
+(B, H, NT) combines them with the in-block softmax, the dS sweep adds the readouts' cotangents (one
+tile of rb chunks per loop trip) and the parallel backward takes one readout tile per step.
+
 Launch parameters come from :data:`LAUNCH`, keyed by (dk, dv, chunk), :data:`DEFAULT_LAUNCH` for
 other shapes. Triton needs every value a kernel holds to have power-of-two dims (>= 16 for a dot's
 operands): the caller pads dk, dv (``gdn_pallas.pad_heads``), C must be a power of two >= 16, and
@@ -36,9 +42,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import gdn_block_phase_math as bpm
 from . import gdn_phase_math as pm
 from .gdn_chunk_math import AUX_WIDTH as AUX
-from .gdn_phase_calls import KernelConfig, _intra_kernel, _key_head, _parallel_backward_kernel, _shape
+from .gdn_phase_calls import (KernelConfig, _at_tile_start, _intra_kernel, _key_head, _noisy_forward_kernel,
+                              _parallel_backward_kernel, _shape)
 
 f32 = jnp.float32
 
@@ -121,14 +129,28 @@ def intra_call(k, v, aux, *, K: int, cfg: KernelConfig, interpret: bool, T_in=No
     return tuple(call(*args))
 
 
-def _output_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, st_ref, o_ref, *, cfg):
-    o = pm.chunk_output(q_ref[...], k_ref[...], w_ref[...], u_ref[...], aux_ref[...], st_ref[...],
-                        scale=cfg.scale, mm=cfg.mm())
+def _output_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, st_ref, *refs, cfg, plan):
+    qn_ref, auxn_ref, o_ref, r_ref = refs if plan else (None, None, refs[0], None)
+    kw = dict(scale=cfg.scale, mm=cfg.mm())
+    S = st_ref[...]
+    chunk = (q_ref[...], k_ref[...], w_ref[...], u_ref[...], aux_ref[...], S)
+    if plan and plan.mid:   # the readouts of the blocks inside this chunk, from its deltas
+        o, _, r = bpm.chunk_block_sweep(*chunk, qn_ref[...], auxn_ref[...], **kw)
+        r_ref[...] = r
+    else:
+        o = pm.chunk_output(*chunk, **kw)
+        if plan:   # a block starts at this chunk: its readout is of this chunk's start state
+
+            @_at_tile_start(pl.program_id(2), plan.rb)
+            def _():
+                r_ref[...] = bpm.tile_readout(qn_ref[...], auxn_ref[...], S, **kw)
     o_ref[...] = o.astype(o_ref.dtype)
 
 
-def output_call(q, k, w, u, aux, states, *, cfg: KernelConfig, interpret: bool):
-    """The output phase, parallel over (row, value head, chunk, value tile): o [B,Tp,H*V] in u's dtype."""
+def output_call(q, k, w, u, aux, states, *, cfg: KernelConfig, interpret: bool, noisy=None):
+    """The output phase, parallel over (row, value head, chunk, value tile): o [B,Tp,H*V] in u's
+    dtype, and with ``noisy`` = (qn [B,Tp,HK*K], auxn [B,H,Tp/R,AUX,R], plan: BlockPlan) (block
+    mode) also r [B,Tp,H*V] fp32, the history readout of every noisy token."""
     K = w.shape[-1] // aux.shape[1]
     B, Tp, H, HK, V, C, N, rep = _shape(q, u, aux, K)
     W = tile_width(cfg, K, V)
@@ -138,35 +160,79 @@ def output_call(q, k, w, u, aux, states, *, cfg: KernelConfig, interpret: bool):
     vw = pl.BlockSpec((None, C, W), lambda b, h, n, j: (b, n, h * NV + j))
     ax = pl.BlockSpec((None, None, None, AUX, C), lambda b, h, n, j: (b, h, n, 0, 0))
     st = pl.BlockSpec((None, None, K, W), lambda b, h, n, j: (b, h, n, j))
+    args, in_specs, plan = (q, k, w, u, aux, states), [kq, kq, kw, vw, ax, st], None
+    out_shape, out_specs = [jax.ShapeDtypeStruct((B, Tp, H * V), u.dtype)], [vw]
+    if noisy is not None:
+        qn, auxn, plan = noisy
+        R, rb = plan.R, plan.rb
+        tile = (lambda n: n) if rb == 1 else (lambda n: lax.div(n, jnp.int32(rb)))
+        args = args + (qn, auxn)
+        in_specs += [pl.BlockSpec((None, R, K), lambda b, h, n, j: (b, tile(n), _key_head(h, rep))),
+                     pl.BlockSpec((None, None, None, AUX, R), lambda b, h, n, j: (b, h, tile(n), 0, 0))]
+        out_shape.append(jax.ShapeDtypeStruct((B, Tp, H * V), f32))
+        out_specs.append(pl.BlockSpec((None, R, W), lambda b, h, n, j: (b, tile(n), h * NV + j)))
     call = pl.pallas_call(
-        functools.partial(_output_kernel, cfg=cfg), out_shape=jax.ShapeDtypeStruct((B, Tp, H * V), u.dtype),
-        grid=(B, H, N, NV), in_specs=[kq, kq, kw, vw, ax, st], out_specs=vw,
-        compiler_params=_parallel_params(cfg, K, V, interpret), interpret=interpret, name="gdn_gpu_output")
-    return call(q, k, w, u, aux, states)
+        functools.partial(_output_kernel, cfg=cfg, plan=plan), out_shape=out_shape,
+        grid=(B, H, N, NV), in_specs=in_specs, out_specs=out_specs,
+        compiler_params=_parallel_params(cfg, K, V, interpret), interpret=interpret,
+        name="gdn_gpu_block_output" if plan else "gdn_gpu_output")
+    outs = tuple(call(*args))
+    return outs if plan else outs[0]
 
 
-def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: KernelConfig, interpret: bool):
-    """Every cotangent but the dS recurrence, parallel over (row, key head, chunk). Returns (dq, dk
-    [B,Tp,HK*K] in q's dtype, dv [B,Tp,H*V] in v's dtype, daux [B,H,N,AUX,C] fp32). rep = H / HK must
-    be a power of two (one rep * dv tile per step)."""
+def noisy_forward_call(qn, kn, vn, auxn, r, *, K: int, cfg: KernelConfig, interpret: bool):
+    """Block mode's noisy output from the readouts, parallel over (row, value head, readout tile).
+    Returns (on [B,Tp,H*V] in vn's dtype, ph [B,H,NT,1,R] fp32: the history unit's probability)."""
+    B, H, NT, _, R = auxn.shape
+    Tp, V, rep = qn.shape[1], vn.shape[-1] // H, H // (qn.shape[-1] // K)
+    nq = pl.BlockSpec((None, R, K), lambda b, h, t: (b, t, _key_head(h, rep)))
+    nv = pl.BlockSpec((None, R, V), lambda b, h, t: (b, t, h))
+    nax = pl.BlockSpec((None, None, 1, AUX, R), lambda b, h, t: (b, h, t, 0, 0))
+    nph = pl.BlockSpec((None, None, 1, 1, R), lambda b, h, t: (b, h, t, 0, 0))
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, H * V), vn.dtype), jax.ShapeDtypeStruct((B, H, NT, 1, R), f32)]
+    call = pl.pallas_call(
+        functools.partial(_noisy_forward_kernel, cfg=cfg, G=1, R=R), out_shape=out_shape, grid=(B, H, NT),
+        in_specs=[nq, nq, nv, nax, nv], out_specs=[nv, nph], compiler_params=_parallel_params(cfg, K, V, interpret),
+        interpret=interpret, name="gdn_gpu_block_noisy")
+    return tuple(call(qn, kn, vn, auxn, r))
+
+
+def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: KernelConfig, interpret: bool,
+                           noisy=None):
+    """Every cotangent but the dS recurrence, parallel over (row, key head, chunk; block mode: readout
+    tile). Returns (dq, dk [B,Tp,HK*K] in q's dtype, dv [B,Tp,H*V] in v's dtype, daux [B,H,N,AUX,C]
+    fp32) and with ``noisy`` = (qn, kn, vn, auxn, dOn, plan) also (dqn, dkn, dvn, dauxn). rep = H / HK
+    must be a power of two (one rep * dv tile per step)."""
     K = w.shape[-1] // aux.shape[1]
     B, Tp, H, HK, V, C, N, rep = _shape(q, v, aux, K)
     if rep & (rep - 1):
         raise ValueError(f"{H} value heads on {HK} key heads: the GPU form needs a power-of-two ratio")
-    kq = pl.BlockSpec((None, C, K), lambda b, h, n: (b, n, h))
-    kw = pl.BlockSpec((None, C, rep * K), lambda b, h, n: (b, n, h))
-    vw = pl.BlockSpec((None, C, rep * V), lambda b, h, n: (b, n, h))
-    ax = pl.BlockSpec((None, rep, 1, AUX, C), lambda b, h, n: (b, h, n, 0, 0))
-    tt = pl.BlockSpec((None, rep, 1, C, C), lambda b, h, n: (b, h, n, 0, 0))
-    st = pl.BlockSpec((None, rep, K, V), lambda b, h, n: (b, h, n, 0))
+    plan = None if noisy is None else noisy[-1]
+    G = plan.rb if plan else 1   # one readout tile per step
+    kq = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, h))
+    kw = pl.BlockSpec((None, G * C, rep * K), lambda b, h, n: (b, n, h))
+    vw = pl.BlockSpec((None, G * C, rep * V), lambda b, h, n: (b, n, h))
+    ax = pl.BlockSpec((None, rep, G, AUX, C), lambda b, h, n: (b, h, n, 0, 0))
+    tt = pl.BlockSpec((None, rep, G, C, C), lambda b, h, n: (b, h, n, 0, 0))
+    st = pl.BlockSpec((None, rep, G * K, V), lambda b, h, n: (b, h, n, 0))
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(aux.shape, f32)]
+    args = (q, k, v, aux, T, w, u, states, dstates, dO)
+    in_specs, out_specs = [kq, kq, vw, ax, tt, kw, vw, st, st, vw], [kq, kq, vw, ax]
+    if plan is not None:
+        qn, kn, vn, auxn, dOn, _ = noisy
+        nax = pl.BlockSpec((None, rep, 1, AUX, plan.R), lambda b, h, n: (b, h, n, 0, 0))
+        args += (qn, kn, vn, auxn, dOn)
+        in_specs += [kq, kq, vw, nax, vw]
+        out_specs += [kq, kq, vw, nax]
+        out_shape += [jax.ShapeDtypeStruct(qn.shape, qn.dtype), jax.ShapeDtypeStruct(kn.shape, kn.dtype),
+                      jax.ShapeDtypeStruct(vn.shape, vn.dtype), jax.ShapeDtypeStruct(auxn.shape, f32)]
     call = pl.pallas_call(
-        functools.partial(_parallel_backward_kernel, cfg=cfg, G=1, C=C, K=K, V=V, rep=rep, plan=None),
-        out_shape=out_shape, grid=(B, HK, N), in_specs=[kq, kq, vw, ax, tt, kw, vw, st, st, vw],
-        out_specs=[kq, kq, vw, ax], compiler_params=_parallel_params(cfg, K, V, interpret),
-        interpret=interpret, name="gdn_gpu_parallel_bwd")
-    return tuple(call(q, k, v, aux, T, w, u, states, dstates, dO))
+        functools.partial(_parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep, plan=plan),
+        out_shape=out_shape, grid=(B, HK, N // G), in_specs=in_specs, out_specs=out_specs,
+        compiler_params=_parallel_params(cfg, K, V, interpret), interpret=interpret,
+        name="gdn_gpu_block_parallel_bwd" if plan else "gdn_gpu_parallel_bwd")
+    return tuple(call(*args))
 
 
 # ---------------------------------------------------------------------------------- sequential
@@ -209,33 +275,56 @@ def sweep_call(k, w, u, aux, s0, *, cfg: KernelConfig, interpret: bool):
     return tuple(call(k, w, u, aux, s0))
 
 
-def _state_backward_kernel(q_ref, k_ref, w_ref, aux_ref, do_ref, dfin_ref, dst_ref, ds0_ref, *, cfg, N: int, C: int,
-                           K: int):
+def _state_backward_kernel(q_ref, k_ref, w_ref, aux_ref, do_ref, dfin_ref, *refs, cfg, N: int, C: int, K: int,
+                           plan):
+    qn_ref, auxn_ref, ph_ref, don_ref = refs[:4] if plan else (None,) * 4
+    dst_ref, ds0_ref = refs[4:] if plan else refs
     kw = dict(scale=cfg.scale, mm=cfg.mm())
+    rb = plan.rb if plan else 1
+    R = plan.R if plan else C
 
-    def body(i, dSn):
-        n = N - 1 - i
-        rows = pl.ds(n * C, C)
-        dst_ref[pl.ds(n * K, K), :] = dSn          # the cotangent of the state after chunk n
-        return pm.chunk_state_backward(q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], aux_ref[n], do_ref[rows, :],
-                                       dSn, **kw)
+    def body(i, dS):
+        t = N // rb - 1 - i     # one readout tile (block mode) of rb chunks, or one chunk, per step
+        for c in reversed(range(rb)):
+            n = t * rb + c
+            rows = pl.ds(n * C, C)
+            dst_ref[pl.ds(n * K, K), :] = dS          # the cotangent of the state after chunk n
+            chunk = (q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], aux_ref[n], do_ref[rows, :], dS)
+            if plan and plan.mid:   # the readouts inside this chunk read its start state and its deltas
+                dS = bpm.chunk_block_state_backward(*chunk, qn_ref[rows, :], auxn_ref[n], ph_ref[n], don_ref[rows, :],
+                                                    **kw)
+            else:
+                dS = pm.chunk_state_backward(*chunk, **kw)
+        if plan and not plan.mid:   # the block starting at this tile read the state before it
+            tr = pl.ds(t * R, R)
+            dS = dS + bpm.tile_state_backward(qn_ref[tr, :], auxn_ref[t], ph_ref[t], don_ref[tr, :], **kw)
+        return dS
 
-    ds0_ref[...] = lax.fori_loop(0, N, body, dfin_ref[...].astype(f32))
+    ds0_ref[...] = lax.fori_loop(0, N // rb, body, dfin_ref[...].astype(f32))
 
 
-def state_backward_call(q, k, w, aux, dO, dfinal, *, cfg: KernelConfig, interpret: bool):
+def state_backward_call(q, k, w, aux, dO, dfinal, *, cfg: KernelConfig, interpret: bool, noisy=None):
     """The reverse sweep carrying dS, the backward's only sequential kernel. Returns (dstates
-    [B,H,N*K,V] fp32: rows n*K:(n+1)*K = the cotangent of the state AFTER chunk n, ds0 [B,H,K,V])."""
+    [B,H,N*K,V] fp32: rows n*K:(n+1)*K = the cotangent of the state AFTER chunk n, ds0 [B,H,K,V]).
+    ``noisy`` = (qn, auxn, ph, dOn, plan): block mode, the readouts' cotangents join dS."""
     K = dfinal.shape[2]
     B, Tp, H, HK, V, C, N, rep = _shape(q, dO, aux, K)
     W = tile_width(cfg, K, V)
-    kq, kw, vw, ax, s, st = _sweep_specs(Tp, N, rep, C, K, W, V // W)
+    NV = V // W
+    kq, kw, vw, ax, s, st = _sweep_specs(Tp, N, rep, C, K, W, NV)
+    args, in_specs, plan = (q, k, w, aux, dO, dfinal), [kq, kq, kw, ax, vw, s], None
+    if noisy is not None:
+        qn, auxn, ph, dOn, plan = noisy
+        NT, R = auxn.shape[2], plan.R
+        args += (qn, auxn, ph, dOn)
+        in_specs += [kq, pl.BlockSpec((None, None, NT, AUX, R), lambda b, h, j: (b, h, 0, 0, 0)),
+                     pl.BlockSpec((None, None, NT, 1, R), lambda b, h, j: (b, h, 0, 0, 0)), vw]
     out_shape = [jax.ShapeDtypeStruct((B, H, N * K, V), f32), jax.ShapeDtypeStruct((B, H, K, V), f32)]
     call = pl.pallas_call(
-        functools.partial(_state_backward_kernel, cfg=cfg, N=N, C=C, K=K), out_shape=out_shape,
-        grid=(B, H, V // W), in_specs=[kq, kq, kw, ax, vw, s], out_specs=[st, s],
-        compiler_params=_sweep_params(cfg, K, V, interpret), interpret=interpret, name="gdn_gpu_state_bwd")
-    return tuple(call(q, k, w, aux, dO, dfinal))
+        functools.partial(_state_backward_kernel, cfg=cfg, N=N, C=C, K=K, plan=plan), out_shape=out_shape,
+        grid=(B, H, NV), in_specs=in_specs, out_specs=[st, s], compiler_params=_sweep_params(cfg, K, V, interpret),
+        interpret=interpret, name="gdn_gpu_block_state_bwd" if plan else "gdn_gpu_state_bwd")
+    return tuple(call(*args))
 
 
 # ---------------------------------------------------------------------------------- compositions
@@ -257,3 +346,28 @@ def causal_backward(q, k, v, aux, s0, T, dO, dfinal, *, cfg: KernelConfig, inter
     _, states = sweep_call(k, w, u, aux, s0, **kw)
     dstates, ds0 = state_backward_call(q, k, w, aux, dO, dfinal, **kw)
     return parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, **kw) + (ds0,)
+
+
+def block_forward(q, k, v, aux, s0, qn, kn, vn, auxn, plan, *, cfg: KernelConfig, interpret: bool):
+    """Block mode (both streams): (o, on [B,Tp,H*V], final [B,H,K,V], T [B,H,N,C,C], ph [B,H,NT,1,R]);
+    the readouts are taken in the parallel output kernel from the swept states."""
+    K = s0.shape[2]
+    kw = dict(cfg=cfg, interpret=interpret)
+    T, w, u = intra_call(k, v, aux, K=K, **kw)
+    final, states = sweep_call(k, w, u, aux, s0, **kw)
+    o, r = output_call(q, k, w, u, aux, states, noisy=(qn, auxn, plan), **kw)
+    on, ph = noisy_forward_call(qn, kn, vn, auxn, r, K=K, **kw)
+    return o, on, final, T, ph
+
+
+def block_backward(q, k, v, aux, s0, qn, kn, vn, auxn, plan, T, ph, dO, dOn, dfinal, *, cfg: KernelConfig,
+                   interpret: bool):
+    """(dq, dk, dv, daux, ds0, dqn, dkn, dvn, dauxn): as :func:`causal_backward`, the readouts'
+    cotangents joining the dS sweep and the parallel backward."""
+    kw = dict(cfg=cfg, interpret=interpret)
+    w, u = intra_call(k, v, aux, K=s0.shape[2], T_in=T, **kw)
+    _, states = sweep_call(k, w, u, aux, s0, **kw)
+    dstates, ds0 = state_backward_call(q, k, w, aux, dO, dfinal, noisy=(qn, auxn, ph, dOn, plan), **kw)
+    dq, dk, dv, daux, dqn, dkn, dvn, dauxn = parallel_backward_call(
+        q, k, v, aux, T, w, u, states, dstates, dO, noisy=(qn, kn, vn, auxn, dOn, plan), **kw)
+    return dq, dk, dv, daux, ds0, dqn, dkn, dvn, dauxn

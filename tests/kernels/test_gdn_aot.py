@@ -12,8 +12,8 @@ Shapes are the 35B GDN layer's: 32 value heads, 16 key heads (both ops take them
 model passes them), dk = dv = 128, T = 8192, bf16 q/k/v,
 fp32 g/beta and state, packed segment ids. The TPU compiles are of the whole fwd + bwd under
 ``shard_map`` on a 2x2 mesh (per chip: 1 row x 16 value heads), the GPU lowerings of B = 1 with all
-32 heads. Block mode runs with Clover's block size 32: on TPU the phase kernels with chunks of 64
-(two block-start readouts per chunk), on CUDA the fused kernel (chunks of 32).
+32 heads. Block mode runs with Clover's block size 32 on the phase kernels with chunks of 64 (two
+block-start readouts per chunk), on CUDA also with block 128 (a readout tile of two chunks).
 """
 
 from __future__ import annotations
@@ -139,8 +139,12 @@ def test_cuda_lowering_fwd_bwd():
 
 
 def test_cuda_lowering_block_fwd_bwd():
-    txt = lower_cuda(block_loss_and_grads(), *block_specs(1))
-    assert txt.count("xla.gpu.triton") == 3, txt.count("xla.gpu.triton")
+    """Block 32 on chunks of 64 (two readouts inside each chunk) and block 128 (a readout tile of two
+    chunks): the phase split, the readouts in the output kernel."""
+    block = ["gdn_gpu_intra", "gdn_gpu_sweep", "gdn_gpu_block_output", "gdn_gpu_block_noisy",
+             "gdn_gpu_wy", "gdn_gpu_sweep", "gdn_gpu_block_state_bwd", "gdn_gpu_block_parallel_bwd"]
+    for block_size in (32, 128):
+        assert triton_kernels(lower_cuda(block_loss_and_grads(block_size=block_size), *block_specs(1))) == block
 
 
 def test_cuda_lowering_odd_shapes():

@@ -23,6 +23,7 @@ import pytest  # noqa: E402
 
 from pallas_kernels import block_gated_delta_rule, block_gated_delta_rule_pallas, block_gated_delta_rule_ref  # noqa: E402
 from pallas_kernels import gdn_block_math as bm  # noqa: E402
+from pallas_kernels import gdn_block_phase_math as bpm  # noqa: E402
 from pallas_kernels import gdn_chunk_math as cm  # noqa: E402
 from tests.model.parity_utils import FP32_REL, assert_rel_close, fast_jit  # noqa: E402
 
@@ -80,18 +81,19 @@ def pallas_tpu_form(*a, **kw):
     return block_gated_delta_rule_pallas(*a, interpret=True, interpret_form="tpu", **kw)
 
 
-def pallas_gpu_form(*a, **kw):  # also splits dv = 8 into 2 value blocks of 4
+def pallas_gpu_form(*a, **kw):  # also splits dv = 8 into 2 value tiles of 4
     return block_gated_delta_rule_pallas(*a, interpret=True, interpret_form="gpu", block_v=4, **kw)
 
 
-# (form, block_size, chunk_size, initial state). TPU form (the phase split, chunk 64 whatever the
-# block): 16, 4 or 2 blocks start inside each chunk (the sweep reads their states from the chunk's
-# start state and deltas), one block per chunk; a block of 2 chunks (the block-start state read at
-# every other chunk) is the shard_map test's case (32, 16). GPU form: the fused kernel, which sweeps
-# with chunks of one block when the block is shorter. With and without an initial state (without
-# one, block 0 has no history unit). Length 96 (the 16-blocks): the phase kernels pad to 2 chunks.
+# (form, block_size, chunk_size, initial state). Both forms are the phase split (chunk 64 whatever the
+# block). TPU form: 16, 4 or 2 blocks start inside each chunk (the sweep reads their states from the
+# chunk's start state and deltas), one block per chunk; a block of 2 chunks (the block-start state
+# read at every other chunk) is the shard_map test's case (32, 16). GPU form (the readouts in the
+# output kernel, from the swept states): blocks inside a chunk, and a block of 2 chunks (the dS sweep
+# and the parallel backward step a readout tile of 2 chunks). With and without an initial state
+# (without one, block 0 has no history unit). Length 96 (the 16-blocks): the kernels pad to 2 chunks.
 CASES = [("tpu", 4, 64, True, T), ("tpu", 16, 64, False, 96), ("tpu", 32, 64, True, T), ("tpu", 64, 64, True, T),
-         ("gpu", 16, 64, False, 96)]
+         ("gpu", 16, 64, False, 96), ("gpu", 32, 16, True, T)]
 BF16_CASES = [("tpu", 32, 64, True, T), ("gpu", 16, 64, False, 96)]
 
 
@@ -180,8 +182,10 @@ def test_block_phase_kernels_keep_chunk_64_and_key_heads(x):
 
 
 def test_block_readout_backward_equals_autodiff():
-    """The hand-derived per-block backward against jax.vjp of the per-block forward (no Pallas):
-    a document boundary inside the block, history on for the first document only."""
+    """The hand-derived backward of a block's readout (a block starting at a chunk start: r = (qn s) S)
+    and its softmax combination, the parallel part (``noisy_tile_backward``) and the dS sweep's share
+    (``tile_state_backward``), against jax.vjp of the forward pieces (no Pallas): a document boundary
+    inside the block, history on for the first document only."""
     rng = np.random.default_rng(1)
     Bk, K, W = 16, 8, 4
     mm = cm.MatmulPolicy(None)
@@ -190,15 +194,19 @@ def test_block_readout_backward_equals_autodiff():
     vn, S = rng.standard_normal((Bk, W)).astype(f32), rng.standard_normal((K, W)).astype(f32)
     run_ = np.repeat([2.0, 3.0], [6, 10]).astype(f32)
     auxn = np.zeros((cm.AUX_WIDTH, Bk), f32)
-    auxn[bm.RUN_N], auxn[bm.ALPHA] = run_, 2.5
+    auxn[bm.RUN_N], auxn[bm.ALPHA], auxn[bpm.HDEC] = run_, 2.5, 1.0
     auxn[bm.LHIST] = np.where(run_ == 2.0, 0.7, bm.HIST_OFF)
     dO = rng.standard_normal((Bk, W)).astype(f32)
+    kw = dict(scale=K ** -0.5, mm=mm)
 
     @jax.jit
     def both(qn, kn, vn, auxn, S, dO):
-        fwd = lambda *a: bm.block_readout_forward(*a, scale=K ** -0.5, mm=mm)  # noqa: E731
+        fwd = lambda qn, kn, vn, auxn, S: bm.readout_combine(  # noqa: E731
+            qn, kn, vn, auxn, bpm.tile_readout(qn, auxn, S, **kw), mm)[0]
         _, vjp = jax.vjp(fwd, qn, kn, vn, auxn, S)
-        return vjp(dO), bm.block_readout_backward(qn, kn, vn, auxn, S, dO, scale=K ** -0.5, mm=mm)
+        ph = bm.readout_combine(qn, kn, vn, auxn, bpm.tile_readout(qn, auxn, S, **kw), mm)[1]
+        return vjp(dO), bpm.noisy_tile_backward(qn, kn, vn, auxn, S, dO, **kw)[:4] + (
+            bpm.tile_state_backward(qn, auxn, ph, dO, **kw),)
 
     want, got = both(qn, kn, vn, auxn, S, dO)
     want, got = [np.array(a) for a in want], [np.array(a) for a in got]

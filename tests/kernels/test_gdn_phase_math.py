@@ -1,6 +1,6 @@
 """The phase-split per-chunk math (gdn_phase_math) against the one-step chunk math and autodiff.
 
-Oracle: ``gdn_chunk_math.chunk_forward`` (itself tested against transformers through the kernels)
+Oracle: ``gdn_chunk_math.chunk_forward`` (the one-step UT form: T applied to beta (v - ein k S))
 and ``jax.vjp`` of it; the phases composed (intra -> sweep; state backward, parallel backward) must
 reproduce the forward and every cotangent of one chunk with documents, decays and a carried state.
 """
