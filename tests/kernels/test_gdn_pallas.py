@@ -196,9 +196,9 @@ def test_pallas_matches_oracles(case, form):
 
 # bf16 bound, relative to each array's max: 4 u with u = 2^-8 the bf16 unit roundoff. Measured on
 # this case against the fp32 reference on the fp32 (unrounded) inputs, the worst output / gradient
-# error is 5.3e-3 (o), 5.2e-3 (dq), 4.9e-3 (state) for the GPU form, 6.1e-3 (o), 5.2e-3 (dq),
-# 4.9e-3 (state) for the TPU phase kernels (w, u stored in bf16 between the phases): the rounding
-# of the inputs, of each dot's operands and of the bf16 results, a few u; the bound leaves ~2.5x.
+# error is 6.1e-3 (o), 5.2e-3 (dq), 4.9e-3 (state) for both forms (the same phase math, w, u stored
+# in bf16 between the phases): the rounding of the inputs, of each dot's operands and of the bf16
+# results, a few u; the bound leaves ~2.5x.
 BF16_RTOL = 4 * 2.0 ** -8
 
 

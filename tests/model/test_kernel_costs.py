@@ -45,12 +45,12 @@ def test_hook_costs_splash_and_scales_grouped_matmuls():
     assert fwd == 2 * 2 * _brute_tiles(t, 2 * t, 32) * bsz.block_q * bsz.block_kv * d * b * h
     dkv, _ = kernel_cost("splash_mha_dkv_segmented_no_residuals", ops, (), None, block_size=32)
     assert dkv == 2 * fwd  # 4 matmuls per tile vs 2
-    assert kernel_cost("gdn_block_fwd", ops, (), None, block_size=32) is None
+    assert kernel_cost("gdn_block_sweep", ops, (), None, block_size=32) is None
     cfg = get_preset("small-cpu")  # 16 experts, top 4
     hook = step_kernel_cost(cfg, expert_shards=2, block_size=32)
     assert hook("ragged-dot-none", (), (), (800.0, 64.0)) == (400.0, 32.0)  # fill 4 / (2 * 4)
     assert hook("tgmm", (), (), (800.0, 64.0)) == (400.0, 32.0)
-    assert hook("gdn_chunk_fwd", (), (), (800.0, 64.0)) is None  # keeps its estimate
+    assert hook("gdn_sweep", (), (), (800.0, 64.0)) is None  # keeps its estimate
     assert hook("splash_mha_fwd_x", ops, (), None)[0] == fwd
     squeezed = (ops[0], *(arr(a.dtype, *a.dims[1:]) for a in ops[1:]))  # one row: the vmapped dim squeezed
     assert kernel_cost("splash_mha_fwd_y", squeezed, (), None, block_size=32)[0] == fwd / b
