@@ -31,10 +31,11 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from pallas_kernels import block_gated_delta_rule, chunk_gated_delta_rule  # noqa: E402
+from pallas_kernels import block_gated_delta_rule, chunk_gated_delta_rule, gdn_phase_gpu  # noqa: E402
 
 T, H, HK, DK, DV = 8192, 32, 16, 128, 128
 
@@ -132,10 +133,25 @@ CAUSAL_GPU = ["gdn_gpu_intra", "gdn_gpu_sweep", "gdn_gpu_output",
               "gdn_gpu_wy", "gdn_gpu_sweep", "gdn_gpu_state_bwd", "gdn_gpu_parallel_bwd"]
 
 
+def launches(txt: str) -> list[tuple[int, int, int]]:
+    """(num_warps, num_stages, grid size) of every Triton call, in order."""
+    grids = [int(x) * int(y) * int(z) for x, y, z in
+             re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32", txt)]
+    warps = [int(n) for n in re.findall(r"num_warps = (\d+) : i32", txt)]
+    stages = [int(n) for n in re.findall(r"num_stages = (\d+) : i32", txt)]
+    return list(zip(warps, stages, grids, strict=True))
+
+
 def test_cuda_lowering_fwd_bwd():
     txt = lower_cuda(loss_and_grads(), *specs(1, HK=HK))
     assert triton_kernels(txt) == CAUSAL_GPU
     assert "tpu_custom_call" not in txt
+    # the launch table's options for (dk, dv, chunk) = (128, 128, 64): the sweeps on dv tiles
+    lc = gdn_phase_gpu.LAUNCH[(DK, DV, 64)]
+    N, NV = T // 64, DV // lc.block_v
+    par, seq = (lc.parallel_warps, 1), (lc.sweep_warps, lc.num_stages)
+    assert launches(txt) == [(*par, H * N), (*seq, H * NV), (*par, H * N * NV),
+                             (*par, H * N), (*seq, H * NV), (*seq, H * NV), (*par, HK * N)]
 
 
 def test_cuda_lowering_block_fwd_bwd():
@@ -145,6 +161,21 @@ def test_cuda_lowering_block_fwd_bwd():
              "gdn_gpu_wy", "gdn_gpu_sweep", "gdn_gpu_block_state_bwd", "gdn_gpu_block_parallel_bwd"]
     for block_size in (32, 128):
         assert triton_kernels(lower_cuda(block_loss_and_grads(block_size=block_size), *block_specs(1))) == block
+
+
+def test_gpu_launch_table():
+    """Every entry's Triton options are valid (powers of two, dv tiles >= 16 dividing dv); other shapes
+    take the default; ``block_v`` overrides the tile and must divide dv."""
+    from pallas_kernels.gdn_phase_calls import KernelConfig
+    p2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    for (dk, dv, C), lc in gdn_phase_gpu.LAUNCH.items():
+        assert all(map(p2, (dk, dv, C, lc.sweep_warps, lc.parallel_warps, lc.block_v))) and 16 <= lc.block_v <= dv
+        assert gdn_phase_gpu.tile_width(KernelConfig(chunk_size=C), dk, dv) == lc.block_v
+    assert gdn_phase_gpu.launch_for(32, 16, 64) == gdn_phase_gpu.DEFAULT_LAUNCH
+    assert gdn_phase_gpu.tile_width(KernelConfig(chunk_size=64), 32, 16) == 16       # min(dv, 32)
+    assert gdn_phase_gpu.tile_width(KernelConfig(chunk_size=64, block_v=8), 32, 16) == 8
+    with pytest.raises(ValueError, match="block_v=12 must divide dv=16"):
+        gdn_phase_gpu.tile_width(KernelConfig(chunk_size=64, block_v=12), 32, 16)
 
 
 def test_cuda_lowering_odd_shapes():
