@@ -16,7 +16,9 @@ with block 32, chunk 64, both streams), on one packed row (3 documents) with an 
   gradient of a random scalar loss (q, k, v, g, beta, s0; block: also the noisy q, k, v and the
   calibration scalars), fp32 inputs; the reference is ``backend="reference"`` (the XLA path);
 - time: best wall time of the jitted forward and forward+backward, kernel vs reference, in
-  ``--time-dtype`` (bf16 q / k / v by default, the training dtype; state and accumulation are fp32).
+  ``--time-dtype`` (bf16 q / k / v by default, the training dtype; state and accumulation are fp32);
+- on a GPU (and with ``--smoke``, interpreted), the causal op's phase kernels timed one by one
+  (intra, WY recompute, state sweep, output, dS sweep, parallel backward; bf16): where the time goes.
 
 It writes the JSON after every row (``--out``, default ``$OUT/gdn_device.json`` when ``$OUT`` is set,
 else bench/results/gdn_device.json), so a run cut short by the device's time limit keeps what it
@@ -128,6 +130,35 @@ def run_op(op: str, x: dict[str, np.ndarray], time_dtype, interpret: bool | None
     return res
 
 
+def kernel_times(T: int, H: int, dk: int, dv: int, repeats: int, interpret: bool) -> dict[str, float]:
+    """Best time (s) of each GPU phase kernel of the causal op alone (``gdn_phase_gpu``, bf16 q / k / v,
+    one row of H heads): where the fwd / fwd+bwd time goes, for tuning the launch table."""
+    from pallas_kernels import gdn_phase_gpu as g
+    from pallas_kernels.gdn_pallas import _prepare
+    from pallas_kernels.gdn_phase_calls import KernelConfig
+
+    x, bf = make_case(T, H, dk, dv), jnp.bfloat16
+    q, k, v, aux, s0 = _prepare(*(jnp.asarray(x[n], bf) for n in ("q", "k", "v")), x["g"], x["beta"], x["s0"],
+                                x["seg"], CHUNK)
+    dO = jnp.asarray(x["w_o"], bf).reshape(1, T, H * dv)
+    kw = dict(cfg=KernelConfig(chunk_size=CHUNK, scale=dk ** -0.5, low_dtype="bfloat16"), interpret=interpret)
+    calls = {
+        "intra": lambda k, v, aux: g.intra_call(k, v, aux, K=dk, **kw),
+        "wy": lambda k, v, aux, Ti: g.intra_call(k, v, aux, K=dk, T_in=Ti, **kw),
+        "sweep": lambda *a: g.sweep_call(*a, **kw),
+        "output": lambda *a: g.output_call(*a, **kw),
+        "state_bwd": lambda *a: g.state_backward_call(*a, **kw),
+        "parallel_bwd": lambda *a: g.parallel_backward_call(*a, **kw),
+    }
+    jitted = {n: jax.jit(f) for n, f in calls.items()}
+    Ti, w, u = jitted["intra"](k, v, aux)
+    final, states = jitted["sweep"](k, w, u, aux, s0)
+    dstates, _ = jitted["state_bwd"](q, k, w, aux, dO, final)
+    args = dict(intra=(k, v, aux), wy=(k, v, aux, Ti), sweep=(k, w, u, aux, s0), output=(q, k, w, u, aux, states),
+                state_bwd=(q, k, w, aux, dO, final), parallel_bwd=(q, k, v, aux, Ti, w, u, states, dstates, dO))
+    return {n: best_time(lambda f=f, a=args[n]: f(*a), repeats) for n, f in jitted.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768])
@@ -176,6 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"T={T} {op}: skipped ({elapsed:.0f} s > --budget-s {args.budget_s:.0f})", flush=True)
                 continue
             r = {"T": T, "op": op, **run_op(op, x, jnp.dtype(args.time_dtype), interpret, args.repeats, fast)}
+            if op == "causal" and (dev.platform == "gpu" or args.smoke):   # smoke: the GPU kernels interpreted
+                r["gpu_kernel_time_s"] = kernel_times(T, args.heads, args.dk, args.dv, args.repeats,
+                                                      interpret=dev.platform != "gpu")
             report["rows"].append(r)
             print_row(r)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +240,9 @@ def print_row(r: dict) -> None:
           f"xla {t['reference_fwd_bwd'] * 1e3:8.2f} ms ({t['reference_fwd_bwd'] / t['pallas_fwd_bwd']:5.1f}x) | "
           f"worst rel error {worst} {r['errors'][worst]:.1e}", flush=True)
     print("    errors: " + ", ".join(f"{k} {v:.1e}" for k, v in r["errors"].items()), flush=True)
+    if "gpu_kernel_time_s" in r:
+        print("    GPU phase kernels alone (bf16): " + ", ".join(
+            f"{k} {v * 1e3:.2f} ms" for k, v in r["gpu_kernel_time_s"].items()), flush=True)
 
 
 if __name__ == "__main__":
