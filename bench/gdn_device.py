@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
     if dev.platform == "gpu":
         from pallas_kernels import gdn_phase_gpu
         launch = gdn_phase_gpu.launch_for(args.dk, args.dv, CHUNK)
-        meta["gpu_launch"] = {**dataclasses.asdict(launch), "from_table": (args.dk, args.dv, CHUNK) in gdn_phase_gpu.LAUNCH}
+        meta["gpu_launch"] = {**dataclasses.asdict(launch),
+                              "from_table": (args.dk, args.dv, CHUNK) in gdn_phase_gpu.LAUNCH}
     print(f"jax {jax.__version__} on {meta['device']}; H={args.heads} dk={args.dk} dv={args.dv}"
           + (f"; launch {meta['gpu_launch']}" if "gpu_launch" in meta else ""), flush=True)
     report = {"meta": meta, "rows": [], "skipped": []}
@@ -223,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     """One line per (T, op): kernel and reference times (ms), speed-ups, the worst error."""
-    print(f"\n{'T':>6} {'op':>6} | {'fwd':>9} {'ref fwd':>9} {'x':>5} | {'fwd+bwd':>9} {'ref f+b':>9} {'x':>5} | worst rel error")
+    print(f"\n{'T':>6} {'op':>6} | {'fwd':>9} {'ref fwd':>9} {'x':>5} | {'fwd+bwd':>9} {'ref f+b':>9} {'x':>5} "
+          "| worst rel error")
     for r in rows:
         t = {k: v * 1e3 for k, v in r["time_s"].items()}
         worst = max(r["errors"], key=r["errors"].get)

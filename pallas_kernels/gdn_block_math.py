@@ -16,7 +16,6 @@ ops that lower on Mosaic, Triton and the interpreter). For one noisy block of Bk
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from .gdn_chunk_math import _NT, _TN, AUX_WIDTH, MatmulPolicy, _iota, aux_row, col_to_row, row_to_col

@@ -221,6 +221,8 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
     in_specs, out_specs = [kq, kq, vw, ax, tt, kw, vw, st, st, vw], [kq, kq, vw, ax]
     if plan is not None:
         qn, kn, vn, auxn, dOn, _ = noisy
+        if qn.shape != q.shape or kn.shape != k.shape:   # one key-head grid for both streams
+            raise ValueError(f"noisy qn {qn.shape}, kn {kn.shape} must match q {q.shape}, k {k.shape}")
         nax = pl.BlockSpec((None, rep, 1, AUX, plan.R), lambda b, h, n: (b, h, n, 0, 0))
         args += (qn, kn, vn, auxn, dOn)
         in_specs += [kq, kq, vw, nax, vw]

@@ -187,6 +187,9 @@ def test_cuda_lowering_odd_shapes():
 
 def test_cuda_lowering_non_power_of_two_head_ratio():
     """3 value heads per key head: the GPU backward runs on repeated key heads (rep * dv tiles of
-    Triton must be powers of two); the gradients come back on the key heads."""
+    Triton must be powers of two; the kernel refuses others); the gradients come back on the key
+    heads (custom_vjp checks their shapes). Both ops."""
     args = specs(1, T=128, H=6, DK=32, DV=32, HK=2)
     assert triton_kernels(lower_cuda(loss_and_grads(), *args)) == CAUSAL_GPU
+    block_args = args + args[:3] + (jax.ShapeDtypeStruct((6, 3), jnp.float32),)
+    assert "gdn_gpu_block_parallel_bwd" in triton_kernels(lower_cuda(block_loss_and_grads(), *block_args))
