@@ -1,0 +1,154 @@
+"""Collective bytes that context parallelism adds to the GDN: read from the compiled HLO
+(`train.hlo_cost`) and compared with an analytic count. A TPU AOT PREDICTION: each program is
+compiled for a v5p slice through libtpu on this CPU host; nothing runs.
+
+Program: one GDN layer's sequence mixing at the Qwen3.6-35B-A3B shapes (32 value heads over 16 key
+heads, passed grouped; dk = dv = 128; bf16 q, k, v; chunk 64, block 32), forward + backward, rows of
+T tokens on a mesh of `fsdp` x `context` chips: rows over fsdp (one per fsdp shard), every row's
+sequence over context, as the model's activations are laid out (`batch -> fsdp`, `length -> context`).
+Modes: `clean` = the causal op (`context_chunk_gated_delta_rule`, the AR / clean stream); `block` =
+both block-mode streams (`context_block_gated_delta_rule`). Without the context axis this program
+has no collective at all (rows and heads are independent), so every collective byte is added by
+context parallelism.
+
+Analytic count per chip and layer (as `train.hlo_cost` counts: a gather's result, a scatter's
+operand, a permute's operand), Bl = rows per chip, n = context: the forward all-gathers every
+shard's affine state map, A [Bl, H, dk, dk] and B [Bl, H, dk, dv] fp32 (n x Bl x H x dk x (dk + dv)
+x 4 bytes) and permutes the segment id of each shard's last token to its neighbour (Bl x 4 bytes);
+the backward reduce-scatters the maps' cotangents (the gather's transpose, the same bytes). Block
+mode adds the all-reduce of the softmax scalars' gradient ([H, 3] fp32, replicated). Nothing of
+activation size ([.., T, ..]) travels. (The model layer adds the conv halo: K-1 pre-conv tokens of
+q, k, v and their segment ids per shard, `clover_jax.model.gdn_context`.)
+
+    python bench/gdn_context.py                          # T = 4096, fsdp 2 x context 4, both modes
+    python bench/gdn_context.py --seq 32768 --backend pallas
+
+The analytic bytes do not depend on T (only the state maps travel); T = 4096 keeps the compile of
+the jnp reference per shard to minutes on 2 CPU cores.
+
+Results go to bench/results/gdn_context.json; the table also shows bench/results/gdn_context_before.json
+(the same programs compiled before the op's shard_map was made manual over every mesh axis) when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from pallas_kernels.gdn_context import context_block_gated_delta_rule, context_chunk_gated_delta_rule  # noqa: E402
+from train import hlo_cost  # noqa: E402
+
+H, HK, DK, DV, CHUNK, BLOCK = 32, 16, 128, 128, 64, 32
+KINDS = hlo_cost.COLLECTIVE_KINDS
+GiB = 1024**3
+RESULTS = Path(__file__).parent / "results"
+
+
+def analytic(mode: str, n: int, rows_local: int = 1, heads_local: int = H) -> dict[str, float]:
+    """Per chip and layer (module docstring): bytes by collective kind."""
+    maps = n * rows_local * heads_local * DK * (DK + DV) * 4
+    out = {"all-gather": maps, "reduce-scatter": maps, "collective-permute": rows_local * 4}
+    if mode == "block":
+        out["all-reduce"] = H * 3 * 4
+    return out
+
+
+def _loss(mode: str, chunk: int, block: int, extra: dict):
+    def f(seg, q, k, v, g, beta, *noisy):
+        if mode == "clean":
+            o, _ = context_chunk_gated_delta_rule(q, k, v, g, beta, segment_ids=seg, chunk_size=chunk, **extra)
+            return jnp.sum(o.astype(jnp.float32))
+        o, on, _ = context_block_gated_delta_rule(q, k, v, g, beta, *noisy, block_size=block, segment_ids=seg,
+                                                  chunk_size=chunk, **extra)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(on.astype(jnp.float32))
+    return f
+
+
+def compile_one(mode: str, t: int, fsdp: int, n: int, devices, backend: str | None = None,
+                chunk: int = CHUNK, block: int = BLOCK, key_heads: int = HK) -> dict:
+    """AOT-compiles one layer's op (fwd + bwd) on a fsdp x context mesh; returns its HLO numbers.
+    ``key_heads`` = H passes the keys repeated to the value heads (what the op took before grouping)."""
+    mesh = jax.sharding.Mesh(np.asarray(devices[:fsdp * n]).reshape(fsdp, n), ("fsdp", "context"))
+    b = fsdp
+    tok = NamedSharding(mesh, P("fsdp", "context"))
+    spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=tok)  # noqa: E731
+    qkv = (spec(b, t, key_heads, DK), spec(b, t, key_heads, DK), spec(b, t, H, DV))
+    args = qkv + (spec(b, t, H, dt=jnp.float32), spec(b, t, H, dt=jnp.float32))
+    if mode == "block":
+        args += qkv + (jax.ShapeDtypeStruct((H, 3), jnp.float32, sharding=NamedSharding(mesh, P())),)
+    extra = {} if backend is None else {"backend": backend}
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        fn = jax.jit(lambda seg, *a: jax.grad(_loss(mode, chunk, block, extra), argnums=tuple(range(1, 1 + len(a))))(seg, *a))
+        compiled = fn.lower(spec(b, t, dt=jnp.int32), *args).compile()
+    text = compiled.as_text()
+    walked = hlo_cost.analyze(text)
+    mem = compiled.memory_analysis()
+    return {"mode": mode, "T": t, "fsdp": fsdp, "context": n, "backend": backend or "default", "key_heads": key_heads,
+            "compile_s": time.perf_counter() - t0,
+            "hlo_collective_bytes": dict(walked.collective_bytes), "ici_bytes": dict(walked.ici_bytes),
+            "analytic_bytes": analytic(mode, n), "flops": walked.flops,
+            "custom_calls": sum(" custom-call(" in ln for ln in text.splitlines()),
+            "temp_GiB": mem.temp_size_in_bytes / GiB}
+
+
+def table(rows: list[dict], before: dict[tuple, dict]) -> None:
+    print(f"{'mode':>6}{'kind':>20}{'before MiB':>12}{'after MiB':>11}{'analytic MiB':>14}{'after/analytic':>16}")
+    for r in rows:
+        old = before.get((r["mode"], r["T"], r["fsdp"], r["context"]), {}).get("hlo_collective_bytes", {})
+        for kind in KINDS:
+            got, want, was = r["hlo_collective_bytes"][kind], r["analytic_bytes"].get(kind, 0.0), old.get(kind)
+            if got or want or was:
+                ratio = f"{got / want:.3f}" if want else "n/a"
+                was_s = f"{was / 2**20:.2f}" if was is not None else "-"
+                print(f"{r['mode']:>6}{kind:>20}{was_s:>12}{got / 2**20:>11.2f}{want / 2**20:>14.2f}{ratio:>16}")
+        total, want = sum(r["hlo_collective_bytes"].values()), sum(r["analytic_bytes"].values())
+        was = f"{sum(old.values()) / 2**20:.2f}" if old else "-"
+        print(f"{r['mode']:>6}{'total':>20}{was:>12}{total / 2**20:>11.2f}{want / 2**20:>14.2f}{total / want:>16.3f}"
+              f"   (backend {r['backend']}, compile {r['compile_s']:.1f} s, {r['custom_calls']} custom calls, "
+              f"temp {r['temp_GiB']:.2f} GiB)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--fsdp", type=int, default=2)
+    ap.add_argument("--context", type=int, default=4)
+    ap.add_argument("--modes", default="clean,block")
+    ap.add_argument("--backend", default=None, help="GDN backend inside each shard (default: the op's default)")
+    ap.add_argument("--key-heads", type=int, default=HK, help=f"{H}: keys repeated to the value heads")
+    ap.add_argument("--topology", default="v5p:2x2x2", help="libtpu topology string (fsdp x context chips)")
+    ap.add_argument("--out", default=str(RESULTS / "gdn_context.json"))
+    ap.add_argument("--before", default=str(RESULTS / "gdn_context_before.json"))
+    a = ap.parse_args(argv)
+    from jax.experimental import topologies
+
+    devices = list(topologies.get_topology_desc(a.topology, platform="tpu").devices)
+    print(f"TPU AOT PREDICTION ({a.topology}, libtpu on a CPU host; nothing runs): one GDN layer's sequence mixing, "
+          f"fwd+bwd, {a.fsdp} rows of T = {a.seq} on fsdp {a.fsdp} x context {a.context}, H {H} / key heads {a.key_heads}, "
+          f"dk = dv = {DK}, bf16, chunk {CHUNK}, block {BLOCK}. Collective bytes per chip.")
+    rows = [compile_one(m, a.seq, a.fsdp, a.context, devices, a.backend, key_heads=a.key_heads) for m in a.modes.split(",")]
+    before = {}
+    if a.before and Path(a.before).exists():
+        before = {(r["mode"], r["T"], r["fsdp"], r["context"]): r for r in json.loads(Path(a.before).read_text())["rows"]}
+    table(rows, before)
+    out = {"seq": a.seq, "topology": a.topology, "rows": rows}
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
