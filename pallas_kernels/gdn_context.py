@@ -14,14 +14,11 @@ A document start inside the shard zeroes every column, so ``A = 0`` after one. T
 shards are all-gathered over the axis and composed in row order from the row's initial state, which
 gives each shard its true entry state ``S_in`` (zeroed when the shard's first token starts a
 document: the segment id of the token before the shard comes from the neighbour by ``ppermute``).
-Then ``o = o0 + P S_in`` exactly: no second pass. Block mode reads the state entering every block;
-those come from a state-only sweep with chunks of the block size (as ``block_gated_delta_rule_ref``
-does) and are corrected the same way, ``S_n = B_n + A_n S_in``.
-
-Block mode runs the block op on ``[v | 0]`` / ``[v_noisy | 0]`` from ``[0 | I]`` the same way (the
-noisy readout is linear in the block-entry state), except the shard's first block: its history
-unit exists only where the shard continues the document before it, which a per-row flag decides,
-so that one block is read out again here (``block_readout_ref``, Bk tokens).
+Then ``o = o0 + P S_in`` exactly: no second pass. Block mode runs the block op on ``[v | 0]`` and
+``[v_noisy | 0]`` from ``[0 | I]`` the same way (the noisy readout is linear in the block-entry
+state ``S_n = B_n + A_n S_in``), except the shard's first block: its history unit exists only where
+the shard continues the document before it, which a per-row flag decides, so that one block is read
+out again here from ``S_in`` (``block_readout_ref``, Bk tokens).
 
 The per-shard bodies (``shard_*``) run inside a ``shard_map`` manual over EVERY mesh axis
 (:func:`over_rows`): rows over the batch axes and key/value heads over the head axes that
@@ -121,10 +118,13 @@ def shard_continues(segment_ids_BT: jax.Array, has_initial_state: bool, axis: st
 # ---------------------------------------------------------------------------------------------
 # per-shard math
 def augment(v_BTHV: jax.Array, K: int) -> tuple[jax.Array, jax.Array]:
-    """([v | 0] [B, T, H, dv + dk] fp32, the entry state [0 | I] [B, H, dk, dv + dk] fp32)."""
+    """([v | 0] [B, T, H, dv + dk] in v's dtype, the entry state [0 | I] [B, H, dk, dv + dk] fp32).
+    v's dtype, not fp32: the Pallas kernels' value tiles already hold twice the columns (an fp32
+    [v | 0] overflows the TPU's scoped VMEM in the block-mode backward at 1024-token shards); the
+    state stays fp32 inside the kernels, only the per-token outputs round to v's dtype."""
     B, T, H, V = v_BTHV.shape
     f32 = jnp.float32
-    v_aug = jnp.concatenate([v_BTHV.astype(f32), jnp.zeros((B, T, H, K), f32)], axis=-1)
+    v_aug = jnp.concatenate([v_BTHV, jnp.zeros((B, T, H, K), v_BTHV.dtype)], axis=-1)
     s0 = jnp.concatenate([jnp.zeros((B, H, K, V), f32), jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, H, K, K))],
                          axis=-1)
     return v_aug, s0
@@ -134,7 +134,7 @@ def augmented_sweep(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, chu
                     backend: str = "auto", interpret: bool | None = None):
     """One chunked pass on values [v | 0] from the entry state [0 | I] (see the module doc), through
     ``dispatch.chunk_gated_delta_rule`` (q, k may be grouped key heads). Returns (o_aug
-    [B, T, H, dv + dk], final_aug [B, H, dk, dv + dk]) fp32."""
+    [B, T, H, dv + dk] in v's dtype, final_aug [B, H, dk, dv + dk] fp32)."""
     v_aug, s0 = augment(v_BTHV, q_BTHK.shape[-1])
     return dispatch.chunk_gated_delta_rule(q_BTHK, k_BTHK, v_aug, g_BTH, beta_BTH, initial_state=s0,
                                            segment_ids=segment_ids_BT, chunk_size=chunk_size, backend=backend,
@@ -158,11 +158,11 @@ def entry_states(A_BHKK: jax.Array, B_BHKV: jax.Array, continues_B: jax.Array, s
     return mine * continues_B[:, None, None, None].astype(mine.dtype), final_BHKV
 
 
-def _apply_entry(aug: jax.Array, S_in_BHKV: jax.Array, V: int, spec: str) -> jax.Array:
-    """zero-entry part + (entry-state reach) @ S_in; `spec` names aug's dims ('bthj' for outputs), the
-    last one contracted with S_in's dk."""
-    out = spec[:-1] + "v"
-    return aug[..., :V] + jnp.einsum(f"{spec},bhjv->{out}", aug[..., V:], S_in_BHKV, precision=_HI)
+def _apply_entry(aug_BTHX: jax.Array, S_in_BHKV: jax.Array, V: int) -> jax.Array:
+    """Augmented outputs [B, T, H, dv + dk] -> [B, T, H, dv] fp32: the zero-entry part + (entry-state
+    reach) @ S_in."""
+    aug = aug_BTHX.astype(jnp.float32)
+    return aug[..., :V] + jnp.einsum("bthj,bhjv->bthv", aug[..., V:], S_in_BHKV, precision=_HI)
 
 
 def shard_chunk_gdn(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, state0_BHKV, *,
@@ -177,7 +177,7 @@ def shard_chunk_gdn(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, sta
                                  backend=backend, interpret=interpret)
     cont = shard_continues(segment_ids_BT, has_initial_state, axis)
     S_in, final = entry_states(fin[..., V:], fin[..., :V], cont, state0_BHKV, axis)
-    return _apply_entry(o_aug, S_in, V, "bthj").astype(v_BTHV.dtype), final
+    return _apply_entry(o_aug, S_in, V).astype(v_BTHV.dtype), final
 
 
 def shard_block_gdn(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, qn_BTHK, kn_BTHK, vn_BTHV, scalars_H3,
@@ -196,8 +196,8 @@ def shard_block_gdn(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, qn_BTHK, kn_BTHK, v
         initial_state=s0, segment_ids=segment_ids_BT, chunk_size=chunk_size, backend=backend, interpret=interpret)
     cont = shard_continues(segment_ids_BT, has_initial_state, axis)
     S_in, final = entry_states(fin[..., V:], fin[..., :V], cont, state0_BHKV, axis)
-    o_clean = _apply_entry(o_aug, S_in, V, "bthj")
-    o_noisy = _apply_entry(on_aug, S_in, V, "bthj")
+    o_clean = _apply_entry(o_aug, S_in, V)
+    o_noisy = _apply_entry(on_aug, S_in, V)
     # the shard's first block (entry state S_in): the op above gave it the history unit wherever it
     # continues token 0's document; it exists only where the shard also continues the one before it
     one = lambda x: repeat_key_heads(x[:, :block_size], H)[:, None]  # noqa: E731  [B, 1, Bk, H, d]
