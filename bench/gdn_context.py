@@ -31,7 +31,14 @@ Results go to bench/results/gdn_context.json; the table also shows bench/results
 reference per shard, keys repeated to the value heads; XLA moved the row sharding onto the chunk dim
 and all-gathered per-chunk fp32 tensors over fsdp) when present. Measured at T = 4096 (MiB per chip
 and layer, before -> after): clean 440 -> 32, block 752 -> 32, with the reference per shard as with
-the Pallas kernels (the analytic count exactly).
+the Pallas kernels (the analytic count exactly); at T = 32768 with Pallas per shard: 32 MiB too.
+
+`--modes ...,layer` also compiles the whole block-mode layer (`compile_layer`). At T = 4096 it moves
+more than the op and the FSDP weights: ~235 MiB of collective-permutes and 64 MiB of all-to-all per
+chip, from the slices of the model's [B, 2T] = clean || noisy layout into its halves (and their
+transposes, pads, in the backward): with 2T contiguous over `context` the clean half lives on the
+first half of the chips, so each half is re-laid over all of them (a cost of that layout, as for
+attention in bench/context.py, not of the GDN op).
 """
 
 from __future__ import annotations
@@ -109,6 +116,48 @@ def compile_one(mode: str, t: int, fsdp: int, n: int, devices, backend: str | No
             "temp_GiB": mem.temp_size_in_bytes / GiB}
 
 
+def compile_layer(t: int, fsdp: int, n: int, devices, chunk: int = CHUNK, block: int = BLOCK) -> dict:
+    """The whole block-mode GDN layer (projections, conv with its halo, both streams, gated norm,
+    out_proj; Qwen3.6-35B-A3B widths, bf16 compute, fp32 params, Pallas per shard), fwd + bwd w.r.t.
+    params and input, rows [fsdp, 2T] laid out by THE rule table. Its collective bytes beyond the op's
+    are the FSDP weights' (each param gathered whole over fsdp x context, its gradient scattered back)
+    and the conv halo."""
+    from flax import nnx
+
+    from clover_jax.config import ModelConfig
+    from clover_jax.model.clover_model import NO_SEGMENT
+    from clover_jax.model.gdn import GatedDeltaNet
+    from clover_jax.parallel import sharding as sh
+
+    cfg = ModelConfig(mode="block", dtype="bfloat16", param_dtype="float32", gdn_backend="pallas", block_size=block,
+                      gdn_chunk_size=chunk)
+    mesh = jax.sharding.Mesh(np.asarray(devices[:fsdp * n]).reshape(1, fsdp, 1, n, 1), sh.MESH_AXES)
+    layer = nnx.eval_shape(lambda: GatedDeltaNet(cfg, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(layer)
+    params = sh.abstract_params(layer, mesh)
+    x = jax.ShapeDtypeStruct((fsdp, 2 * t, cfg.hidden_size), jnp.bfloat16,
+                             sharding=sh.batch_sharding(mesh, shape=(fsdp, 2 * t, cfg.hidden_size)))
+    seg = jax.ShapeDtypeStruct((fsdp, t), jnp.int32, sharding=sh.batch_sharding(mesh, shape=(fsdp, t)))
+
+    def loss(p, x, seg):
+        y = nnx.merge(graphdef, p).two_stream(x, {"segment_ids": seg, "block_size": block,
+                                                  "empty_segment": NO_SEGMENT})
+        return jnp.sum(y.astype(jnp.float32))
+
+    t0 = time.perf_counter()
+    with sh.use_sharding(mesh):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x, seg).compile()
+    walked = hlo_cost.analyze(compiled.as_text())
+    param_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))
+    lring = cfg.linear_conv_kernel_dim - 1
+    halo = lring * (2 * cfg.gdn_key_dim + cfg.gdn_value_dim) * 2 + lring * 4  # one row: q, k, v bf16 + ids
+    return {"mode": "layer", "T": t, "fsdp": fsdp, "context": n, "backend": "pallas", "compile_s": time.perf_counter() - t0,
+            "hlo_collective_bytes": dict(walked.collective_bytes), "ici_bytes": dict(walked.ici_bytes),
+            "param_bytes": param_bytes, "op_analytic_bytes": analytic("block", n), "conv_halo_bytes": halo,
+            "kernel_calls": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+            "temp_GiB": compiled.memory_analysis().temp_size_in_bytes / GiB}
+
+
 def table(rows: list[dict], before: dict[tuple, dict]) -> None:
     print(f"{'mode':>6}{'kind':>20}{'before MiB':>12}{'after MiB':>11}{'analytic MiB':>14}{'after/analytic':>16}")
     for r in rows:
@@ -144,11 +193,21 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"TPU AOT PREDICTION ({a.topology}, libtpu on a CPU host; nothing runs): one GDN layer's sequence mixing, "
           f"fwd+bwd, {a.fsdp} rows of T = {a.seq} on fsdp {a.fsdp} x context {a.context}, H {H} / key heads {a.key_heads}, "
           f"dk = dv = {DK}, bf16, chunk {CHUNK}, block {BLOCK}. Collective bytes per chip.")
-    rows = [compile_one(m, a.seq, a.fsdp, a.context, devices, a.backend, key_heads=a.key_heads) for m in a.modes.split(",")]
+    rows = [compile_one(m, a.seq, a.fsdp, a.context, devices, a.backend, key_heads=a.key_heads)
+            for m in a.modes.split(",") if m != "layer"]
     before = {}
     if a.before and Path(a.before).exists():
         before = {(r["mode"], r["T"], r["fsdp"], r["context"]): r for r in json.loads(Path(a.before).read_text())["rows"]}
     table(rows, before)
+    if "layer" in a.modes.split(","):
+        r = compile_layer(a.seq, a.fsdp, a.context, devices)
+        rows.append(r)
+        print(f"\nthe whole block-mode GDN layer (fwd+bwd, params fp32 = {r['param_bytes'] / 2**20:.1f} MiB, FSDP over "
+              f"fsdp x context; op analytic {sum(r['op_analytic_bytes'].values()) / 2**20:.2f} MiB, conv halo "
+              f"{r['conv_halo_bytes'] / 2**10:.1f} KiB per permute set), MiB per chip:")
+        for kind in KINDS:
+            print(f"{kind:>20}{r['hlo_collective_bytes'][kind] / 2**20:>11.2f}")
+        print(f"   (compile {r['compile_s']:.1f} s, {r['kernel_calls']} kernel calls, temp {r['temp_GiB']:.2f} GiB)")
     out = {"seq": a.seq, "topology": a.topology, "rows": rows}
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     return out
