@@ -103,7 +103,8 @@ def compile_one(mode: str, t: int, fsdp: int, n: int, devices, backend: str | No
     extra = {} if backend is None else {"backend": backend}
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        fn = jax.jit(lambda seg, *a: jax.grad(_loss(mode, chunk, block, extra), argnums=tuple(range(1, 1 + len(a))))(seg, *a))
+        loss = _loss(mode, chunk, block, extra)
+        fn = jax.jit(lambda seg, *a: jax.grad(loss, argnums=tuple(range(1, 1 + len(a))))(seg, *a))
         compiled = fn.lower(spec(b, t, dt=jnp.int32), *args).compile()
     text = compiled.as_text()
     walked = hlo_cost.analyze(text)
@@ -151,7 +152,8 @@ def compile_layer(t: int, fsdp: int, n: int, devices, chunk: int = CHUNK, block:
     param_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))
     lring = cfg.linear_conv_kernel_dim - 1
     halo = lring * (2 * cfg.gdn_key_dim + cfg.gdn_value_dim) * 2 + lring * 4  # one row: q, k, v bf16 + ids
-    return {"mode": "layer", "T": t, "fsdp": fsdp, "context": n, "backend": "pallas", "compile_s": time.perf_counter() - t0,
+    return {"mode": "layer", "T": t, "fsdp": fsdp, "context": n, "backend": "pallas",
+            "compile_s": time.perf_counter() - t0,
             "hlo_collective_bytes": dict(walked.collective_bytes), "ici_bytes": dict(walked.ici_bytes),
             "param_bytes": param_bytes, "op_analytic_bytes": analytic("block", n), "conv_halo_bytes": halo,
             "kernel_calls": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
@@ -191,13 +193,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     devices = list(topologies.get_topology_desc(a.topology, platform="tpu").devices)
     print(f"TPU AOT PREDICTION ({a.topology}, libtpu on a CPU host; nothing runs): one GDN layer's sequence mixing, "
-          f"fwd+bwd, {a.fsdp} rows of T = {a.seq} on fsdp {a.fsdp} x context {a.context}, H {H} / key heads {a.key_heads}, "
+          f"fwd+bwd, {a.fsdp} rows of T = {a.seq} on fsdp {a.fsdp} x context {a.context}, "
+          f"H {H} / key heads {a.key_heads}, "
           f"dk = dv = {DK}, bf16, chunk {CHUNK}, block {BLOCK}. Collective bytes per chip.")
     rows = [compile_one(m, a.seq, a.fsdp, a.context, devices, a.backend, key_heads=a.key_heads)
             for m in a.modes.split(",") if m != "layer"]
     before = {}
     if a.before and Path(a.before).exists():
-        before = {(r["mode"], r["T"], r["fsdp"], r["context"]): r for r in json.loads(Path(a.before).read_text())["rows"]}
+        old = json.loads(Path(a.before).read_text())["rows"]
+        before = {(r["mode"], r["T"], r["fsdp"], r["context"]): r for r in old}
     table(rows, before)
     if "layer" in a.modes.split(","):
         r = compile_layer(a.seq, a.fsdp, a.context, devices)

@@ -69,8 +69,8 @@ def clean_forward(layer, x_BTD: jax.Array, ctx: dict[str, Any], empty_segment: i
         parts = {"q": q, "k": k, "v": v}
         rings, ring_seg = _halo(parts, seg, lring, empty_segment)
         qh, kh, vh = layer.heads(layer._conv_parts(parts, seg, rings, ring_seg, w), repeat=False)
-        o, _ = shard_chunk_gdn(qh, kh, vh, g, beta, seg, _zero_state(vh, c.linear_key_head_dim), has_initial_state=False,
-                               chunk_size=c.gdn_chunk_size, backend=c.gdn_backend)
+        o, _ = shard_chunk_gdn(qh, kh, vh, g, beta, seg, _zero_state(vh, c.linear_key_head_dim),
+                               has_initial_state=False, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend)
         return o
 
     w_specs = {name: sp.channel for name in weights}
