@@ -14,24 +14,34 @@ A document start inside the shard zeroes every column, so ``A = 0`` after one. T
 shards are all-gathered over the axis and composed in row order from the row's initial state, which
 gives each shard its true entry state ``S_in`` (zeroed when the shard's first token starts a
 document: the segment id of the token before the shard comes from the neighbour by ``ppermute``).
-Then ``o = o0 + P S_in`` exactly: no second pass. Block mode reads the state entering every block;
-those come from a state-only sweep with chunks of the block size (as ``block_gated_delta_rule_ref``
-does) and are corrected the same way, ``S_n = B_n + A_n S_in``.
+Then ``o = o0 + P S_in`` exactly: no second pass. Block mode runs the block op on ``[v | 0]`` and
+``[v_noisy | 0]`` from ``[0 | I]`` the same way (the noisy readout is linear in the block-entry
+state ``S_n = B_n + A_n S_in``), except the shard's first block: its history unit exists only where
+the shard continues the document before it, which a per-row flag decides, so that one block is read
+out again here from ``S_in`` (``block_readout_ref``, Bk tokens).
 
-The per-shard bodies (``shard_*``) run inside a ``shard_map`` that is manual over the context axis
-(other mesh axes stay automatic); the ``context_*`` entry points wrap them. Math per shard is the
-jnp reference of ``gdn_reference`` / ``gdn_block_reference``.
+The per-shard bodies (``shard_*``) run inside a ``shard_map`` manual over EVERY mesh axis
+(:func:`over_rows`): rows over the batch axes and key/value heads over the head axes that
+``gdn_sharding.gdn_mesh_axes`` picks for the one-device kernels, tokens over ``context``. Left
+automatic, the other axes let XLA re-lay the per-chunk tensors of the math inside (batch sharding
+moved onto the chunk dim, then all-gathered: bench/gdn_context.py). Each shard calls the dispatch
+entry points with the configured backend (TPU: the phase kernels per shard; CPU: the jnp
+reference), keys grouped (HK key heads, not repeated).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .gdn_block_reference import block_gated_delta_rule_ref, block_masks, block_readout_ref
-from .gdn_reference import chunk_gated_delta_rule_ref
+from . import dispatch, gdn_sharding
+from .gdn_block_reference import block_masks, block_readout_ref
+from .gdn_reference import repeat_key_heads
 
 CONTEXT_AXIS = "context"
 _HI = lax.Precision.HIGHEST
@@ -59,6 +69,35 @@ def over_context(body, in_specs: tuple, out_specs, *args, mesh=None, axis: str =
                          axis_names=frozenset({axis}), check_vma=False)(*args)
 
 
+class RowSpecs(NamedTuple):
+    """PartitionSpecs of a sequence-sharded layer's arrays: rows over ``batch`` axes, heads over
+    ``heads`` axes, tokens over the context axis. ``tok`` [B, T], ``tok_h`` [B, T, H, ...] (also a
+    head-major flat [B, T, H*d]), ``state`` [B, H, ...], ``per_head`` [H, ...], ``channel`` [K, H*d]."""
+    tok: P
+    tok_h: P
+    state: P
+    per_head: P
+    channel: P
+
+
+def row_specs(mesh, B: int, HK: int, batch_axes: Sequence[str] | None = None,
+              head_axes: Sequence[str] | None = None, axis: str = CONTEXT_AXIS) -> RowSpecs:
+    """The specs for rows of ``B`` over ``HK`` key heads (head axes must split the KEY heads: a
+    device's value heads then read its own key heads). Axes as ``gdn_sharding.gdn_mesh_axes`` picks
+    them (explicit, else the defaults), never ``axis`` itself."""
+    drop = lambda axes: None if axes is None else tuple(a for a in axes if a != axis)  # noqa: E731
+    b, h = gdn_sharding.gdn_mesh_axes(mesh, B, HK, drop(batch_axes), drop(head_axes))
+    return RowSpecs(P(b, axis), P(b, axis, h), P(b, h), P(h), P(None, h))
+
+
+def over_rows(body, in_specs: tuple, out_specs, *args, mesh=None):
+    """``shard_map(body)`` manual over every mesh axis (``gdn_sharding.run_sharded``; specs from
+    :func:`row_specs`). ``check_vma=False``: the bodies mix per-shard and all-gathered values (their
+    context-replicated outputs are equal on every shard by construction)."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    return gdn_sharding.run_sharded(body, mesh, in_specs, out_specs, *args)
+
+
 def from_previous_shard(x_BT: jax.Array, n: int, axis: str = CONTEXT_AXIS) -> jax.Array:
     """The last ``n`` entries along axis 1 of the previous shard's ``x`` (zeros on shard 0): the halo
     exchange. Inside a shard_map manual over ``axis``; the shard must hold at least ``n`` entries."""
@@ -78,20 +117,28 @@ def shard_continues(segment_ids_BT: jax.Array, has_initial_state: bool, axis: st
 
 # ---------------------------------------------------------------------------------------------
 # per-shard math
-def augmented_sweep(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, chunk_size: int,
-                    return_chunk_states: bool = False):
-    """One chunked pass on values [v | 0] from the entry state [0 | I] (see the module doc).
-    Returns (o_aug [B, T, H, dv + dk], final_aug [B, H, dk, dv + dk]) fp32, plus the chunk-entry
-    states [B, N, H, dk, dv + dk] with ``return_chunk_states``."""
-    B, T, H, K = q_BTHK.shape
-    V = v_BTHV.shape[-1]
+def augment(v_BTHV: jax.Array, K: int) -> tuple[jax.Array, jax.Array]:
+    """([v | 0] [B, T, H, dv + dk] in v's dtype, the entry state [0 | I] [B, H, dk, dv + dk] fp32).
+    v's dtype, not fp32: the Pallas kernels' value tiles already hold twice the columns (an fp32
+    [v | 0] overflows the TPU's scoped VMEM in the block-mode backward at 1024-token shards); the
+    state stays fp32 inside the kernels, only the per-token outputs round to v's dtype."""
+    B, T, H, V = v_BTHV.shape
     f32 = jnp.float32
-    v_aug = jnp.concatenate([v_BTHV.astype(f32), jnp.zeros((B, T, H, K), f32)], axis=-1)
+    v_aug = jnp.concatenate([v_BTHV, jnp.zeros((B, T, H, K), v_BTHV.dtype)], axis=-1)
     s0 = jnp.concatenate([jnp.zeros((B, H, K, V), f32), jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, H, K, K))],
                          axis=-1)
-    return chunk_gated_delta_rule_ref(q_BTHK, k_BTHK, v_aug, g_BTH, beta_BTH, initial_state=s0,
-                                      segment_ids=segment_ids_BT, chunk_size=chunk_size,
-                                      return_chunk_states=return_chunk_states)
+    return v_aug, s0
+
+
+def augmented_sweep(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, chunk_size: int, *,
+                    backend: str = "auto", interpret: bool | None = None):
+    """One chunked pass on values [v | 0] from the entry state [0 | I] (see the module doc), through
+    ``dispatch.chunk_gated_delta_rule`` (q, k may be grouped key heads). Returns (o_aug
+    [B, T, H, dv + dk] in v's dtype, final_aug [B, H, dk, dv + dk] fp32)."""
+    v_aug, s0 = augment(v_BTHV, q_BTHK.shape[-1])
+    return dispatch.chunk_gated_delta_rule(q_BTHK, k_BTHK, v_aug, g_BTH, beta_BTH, initial_state=s0,
+                                           segment_ids=segment_ids_BT, chunk_size=chunk_size, backend=backend,
+                                           interpret=interpret)
 
 
 def entry_states(A_BHKK: jax.Array, B_BHKV: jax.Array, continues_B: jax.Array, state0_BHKV: jax.Array,
@@ -111,61 +158,61 @@ def entry_states(A_BHKK: jax.Array, B_BHKV: jax.Array, continues_B: jax.Array, s
     return mine * continues_B[:, None, None, None].astype(mine.dtype), final_BHKV
 
 
-def _apply_entry(aug: jax.Array, S_in_BHKV: jax.Array, V: int, spec: str) -> jax.Array:
-    """zero-entry part + (entry-state reach) @ S_in; `spec` names aug's dims, the last one contracted
-    with S_in's dk ('bthj' for outputs, 'bnhkj' for block-entry states)."""
-    out = spec[:-1] + "v"
-    return aug[..., :V] + jnp.einsum(f"{spec},bhjv->{out}", aug[..., V:], S_in_BHKV, precision=_HI)
+def _apply_entry(aug_BTHX: jax.Array, S_in_BHKV: jax.Array, V: int) -> jax.Array:
+    """Augmented outputs [B, T, H, dv + dk] -> [B, T, H, dv] fp32: the zero-entry part + (entry-state
+    reach) @ S_in."""
+    aug = aug_BTHX.astype(jnp.float32)
+    return aug[..., :V] + jnp.einsum("bthj,bhjv->bthv", aug[..., V:], S_in_BHKV, precision=_HI)
 
 
 def shard_chunk_gdn(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, state0_BHKV, *,
-                    has_initial_state: bool, chunk_size: int, axis: str = CONTEXT_AXIS):
-    """Per-shard body of the causal GDN (inside a shard_map manual over ``axis``): local shards of
-    every [B, T, ...] input, the row's ``state0`` (zeros when ``has_initial_state`` is False).
-    Returns (o [B, Tl, H, dv] in v's dtype, the row's final state [B, H, dk, dv] fp32)."""
+                    has_initial_state: bool, chunk_size: int, backend: str = "auto", interpret: bool | None = None,
+                    axis: str = CONTEXT_AXIS):
+    """Per-shard body of the causal GDN (inside :func:`over_rows`): local shards of every [B, T, ...]
+    input (q, k [B, Tl, HK, dk] with HK dividing H), the row's ``state0`` (zeros when
+    ``has_initial_state`` is False). Returns (o [B, Tl, H, dv] in v's dtype, the row's final state
+    [B, H, dk, dv] fp32)."""
     V = v_BTHV.shape[-1]
-    o_aug, fin = augmented_sweep(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, chunk_size)
+    o_aug, fin = augmented_sweep(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, chunk_size,
+                                 backend=backend, interpret=interpret)
     cont = shard_continues(segment_ids_BT, has_initial_state, axis)
     S_in, final = entry_states(fin[..., V:], fin[..., :V], cont, state0_BHKV, axis)
-    return _apply_entry(o_aug, S_in, V, "bthj").astype(v_BTHV.dtype), final
+    return _apply_entry(o_aug, S_in, V).astype(v_BTHV.dtype), final
 
 
 def shard_block_gdn(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, qn_BTHK, kn_BTHK, vn_BTHV, scalars_H3,
                     segment_ids_BT, state0_BHKV, *, has_initial_state: bool, block_size: int, chunk_size: int,
-                    axis: str = CONTEXT_AXIS):
-    """Per-shard body of both block-mode streams (``block_gated_delta_rule_ref`` on a shard).
-    The shard length must be a multiple of ``block_size``. Returns (o_clean, o_noisy [B, Tl, H, dv]
-    in v's dtype, the row's final clean state [B, H, dk, dv] fp32)."""
-    B, T, H, _ = q_BTHK.shape
-    V = v_BTHV.shape[-1]
+                    backend: str = "auto", interpret: bool | None = None, axis: str = CONTEXT_AXIS):
+    """Per-shard body of both block-mode streams (``dispatch.block_gated_delta_rule`` on a shard, keys
+    grouped or not). The shard length must be a multiple of ``block_size``. Returns (o_clean,
+    o_noisy [B, Tl, H, dv] in v's dtype, the row's final clean state [B, H, dk, dv] fp32)."""
+    B, T, H, V = v_BTHV.shape
     if T % block_size:
         raise ValueError(f"context shard of {T} tokens is not a multiple of block_size {block_size}")
-    if block_size == chunk_size:
-        o_aug, fin, ent_aug = augmented_sweep(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT,
-                                              chunk_size, return_chunk_states=True)
-    else:
-        o_aug, fin = augmented_sweep(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, chunk_size)
-        ent_aug = augmented_sweep(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, block_size,
-                                  return_chunk_states=True)[2]
+    v_aug, s0 = augment(v_BTHV, q_BTHK.shape[-1])
+    vn_aug = augment(vn_BTHV, q_BTHK.shape[-1])[0]
+    o_aug, on_aug, fin = dispatch.block_gated_delta_rule(
+        q_BTHK, k_BTHK, v_aug, g_BTH, beta_BTH, qn_BTHK, kn_BTHK, vn_aug, scalars_H3, block_size=block_size,
+        initial_state=s0, segment_ids=segment_ids_BT, chunk_size=chunk_size, backend=backend, interpret=interpret)
     cont = shard_continues(segment_ids_BT, has_initial_state, axis)
     S_in, final = entry_states(fin[..., V:], fin[..., :V], cont, state0_BHKV, axis)
-    o_clean = _apply_entry(o_aug, S_in, V, "bthj")
-    entry_BNHKV = _apply_entry(ent_aug, S_in, V, "bnhkj")
-    same_doc, has_history = block_masks(segment_ids_BT, B, T, block_size, True)
-    # the shard's first block has history only if the shard continues the document before it
-    has_history = has_history.at[:, 0].set(has_history[:, 0] & cont[:, None])
-    n = T // block_size
-    blocks = lambda x: x.reshape((B, n, block_size) + x.shape[2:])  # noqa: E731
-    o_noisy = block_readout_ref(blocks(qn_BTHK), blocks(kn_BTHK), blocks(vn_BTHV), entry_BNHKV, same_doc,
-                                has_history, scalars_H3, block_size)
-    return (o_clean.astype(v_BTHV.dtype), o_noisy.reshape(B, T, H, V).astype(vn_BTHV.dtype), final)
+    o_clean = _apply_entry(o_aug, S_in, V)
+    o_noisy = _apply_entry(on_aug, S_in, V)
+    # the shard's first block (entry state S_in): the op above gave it the history unit wherever it
+    # continues token 0's document; it exists only where the shard also continues the one before it
+    one = lambda x: repeat_key_heads(x[:, :block_size], H)[:, None]  # noqa: E731  [B, 1, Bk, H, d]
+    same_doc, has_history = block_masks(segment_ids_BT[:, :block_size], B, block_size, block_size, True)
+    first = block_readout_ref(one(qn_BTHK), one(kn_BTHK), one(vn_BTHV), S_in[:, None], same_doc,
+                              has_history & cont[:, None, None], scalars_H3, block_size)
+    o_noisy = jnp.concatenate([first[:, 0], o_noisy[:, block_size:]], axis=1)
+    return o_clean.astype(v_BTHV.dtype), o_noisy.astype(vn_BTHV.dtype), final
 
 
 # ---------------------------------------------------------------------------------------------
 # entry points (the dispatch's argument convention)
 def _prepare(q, v, initial_state, segment_ids, n: int, multiple: int):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2:]
     if T % n or (T // n) % multiple:
         raise ValueError(f"GDN context parallelism: sequence length {T} must split into {n} shards whose "
                          f"length is a multiple of {multiple} (mesh.context, model.block_size)")
@@ -174,48 +221,54 @@ def _prepare(q, v, initial_state, segment_ids, n: int, multiple: int):
     return seg, s0
 
 
-_TOK4, _TOK3, _TOK2 = P(None, CONTEXT_AXIS, None, None), P(None, CONTEXT_AXIS, None), P(None, CONTEXT_AXIS)
-
-
 def context_chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size: int = 64,
-                                   mesh=None):
-    """``chunk_gated_delta_rule_ref`` with T sharded over the mesh's ``context`` axis (same arguments
-    and results; a mesh without that axis, or of size 1, runs the reference as is)."""
+                                   backend: str = "auto", interpret: bool | None = None, mesh=None,
+                                   batch_axes: Sequence[str] | None = None, head_axes: Sequence[str] | None = None):
+    """``dispatch.chunk_gated_delta_rule`` with T sharded over the mesh's ``context`` axis (same
+    arguments and results; a mesh without that axis, or of size 1, runs the dispatch as is). Rows
+    and heads over ``batch_axes`` / ``head_axes`` (:func:`row_specs`)."""
     n = context_size(mesh)
+    kw = dict(chunk_size=chunk_size, backend=backend, interpret=interpret)
     if n == 1:
-        return chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
-                                          chunk_size=chunk_size)
+        return dispatch.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
+                                               mesh=mesh, batch_axes=batch_axes, head_axes=head_axes, **kw)
     seg, s0 = _prepare(q, v, initial_state, segment_ids, n, 1)
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    sp = row_specs(mesh, q.shape[0], q.shape[2], batch_axes, head_axes)
 
     def body(q, k, v, g, beta, seg, s0):
-        return shard_chunk_gdn(q, k, v, g, beta, seg, s0, has_initial_state=initial_state is not None,
-                               chunk_size=chunk_size)
+        return shard_chunk_gdn(q, k, v, g, beta, seg, s0, has_initial_state=initial_state is not None, **kw)
 
-    return over_context(body, (_TOK4,) * 3 + (_TOK3,) * 2 + (_TOK2, P()), (_TOK4, P()),
-                        q, k, v, g, beta, seg, s0, mesh=mesh)
+    return over_rows(body, (sp.tok_h,) * 5 + (sp.tok, sp.state), (sp.tok_h, sp.state),
+                     q, k, v, g, beta, seg, s0, mesh=mesh)
 
 
 def context_block_gated_delta_rule(q, k, v, g, beta, q_noisy, k_noisy, v_noisy, scalars_H3, *, block_size: int,
-                                   initial_state=None, segment_ids=None, chunk_size: int = 64, mesh=None):
-    """``block_gated_delta_rule_ref`` with T sharded over the ``context`` axis; every shard's length
-    must be a multiple of ``block_size`` (no block straddles two shards)."""
+                                   initial_state=None, segment_ids=None, chunk_size: int = 64, backend: str = "auto",
+                                   interpret: bool | None = None, mesh=None, batch_axes: Sequence[str] | None = None,
+                                   head_axes: Sequence[str] | None = None):
+    """``dispatch.block_gated_delta_rule`` with T sharded over the ``context`` axis; every shard's
+    length must be a multiple of ``block_size`` (no block straddles two shards)."""
     n = context_size(mesh)
+    kw = dict(block_size=block_size, chunk_size=chunk_size, backend=backend, interpret=interpret)
     if n == 1:
-        return block_gated_delta_rule_ref(q, k, v, g, beta, q_noisy, k_noisy, v_noisy, scalars_H3,
-                                          block_size=block_size, initial_state=initial_state,
-                                          segment_ids=segment_ids, chunk_size=chunk_size)
+        return dispatch.block_gated_delta_rule(q, k, v, g, beta, q_noisy, k_noisy, v_noisy, scalars_H3,
+                                               initial_state=initial_state, segment_ids=segment_ids, mesh=mesh,
+                                               batch_axes=batch_axes, head_axes=head_axes, **kw)
     seg, s0 = _prepare(q, v, initial_state, segment_ids, n, block_size)
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    sp = row_specs(mesh, q.shape[0], q.shape[2], batch_axes, head_axes)
 
     def body(q, k, v, g, beta, qn, kn, vn, sc, seg, s0):
         return shard_block_gdn(q, k, v, g, beta, qn, kn, vn, sc, seg, s0, has_initial_state=initial_state is not None,
-                               block_size=block_size, chunk_size=chunk_size)
+                               **kw)
 
-    return over_context(body, (_TOK4,) * 3 + (_TOK3,) * 2 + (_TOK4,) * 3 + (P(), _TOK2, P()), (_TOK4, _TOK4, P()),
-                        q, k, v, g, beta, q_noisy, k_noisy, v_noisy, scalars_H3, seg, s0, mesh=mesh)
+    return over_rows(body, (sp.tok_h,) * 8 + (sp.per_head, sp.tok, sp.state), (sp.tok_h, sp.tok_h, sp.state),
+                     q, k, v, g, beta, q_noisy, k_noisy, v_noisy, scalars_H3, seg, s0, mesh=mesh)
 
 
 __all__ = [
-    "CONTEXT_AXIS", "augmented_sweep", "context_block_gated_delta_rule", "context_chunk_gated_delta_rule",
-    "context_size", "entry_states", "from_previous_shard", "over_context", "shard_block_gdn", "shard_chunk_gdn",
-    "shard_continues",
+    "CONTEXT_AXIS", "RowSpecs", "augment", "augmented_sweep", "context_block_gated_delta_rule",
+    "context_chunk_gated_delta_rule", "context_size", "entry_states", "from_previous_shard", "over_context",
+    "over_rows", "row_specs", "shard_block_gdn", "shard_chunk_gdn", "shard_continues",
 ]

@@ -153,29 +153,39 @@ class GatedDeltaNet(nnx.Module):
         dt = conv["v"].dtype
         b, t, _ = conv["q"].shape
         rep = c.linear_num_value_heads // c.linear_num_key_heads
-        q = conv["q"].reshape(b, t, c.linear_num_key_heads, c.linear_key_head_dim)
-        k = conv["k"].reshape(b, t, c.linear_num_key_heads, c.linear_key_head_dim)
-        v = conv["v"].reshape(b, t, c.linear_num_value_heads, c.linear_value_head_dim)
+        # -1 heads: under a head-sharded shard_map the channels are a device's whole heads
+        q = conv["q"].reshape(b, t, -1, c.linear_key_head_dim)
+        k = conv["k"].reshape(b, t, -1, c.linear_key_head_dim)
+        v = conv["v"].reshape(b, t, -1, c.linear_value_head_dim)
         q, k = l2_normalize(q).astype(dt), l2_normalize(k).astype(dt)
         if repeat:  # value head j reads key head j // rep (HF repeat_interleave)
             q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
         return q, k, v
 
-    def _conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
-                    ring_seg: jax.Array) -> dict[str, jax.Array]:
-        """Causal conv + SiLU of the q, k, v channel groups (AR / clean stream)."""
-        return {p: jax.nn.silu(causal_conv(mixed[p], getattr(self, f"conv_{p}").kernel[...], rings[p], seg, ring_seg))
-                for p in CONV_PARTS}
-
-    def _block_conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
-                          ring_seg: jax.Array) -> dict[str, jax.Array]:
-        """Noisy-stream conv (left taps over clean ring || block, right taps in the block) + SiLU.
-        Inputs are whole blocks [B', Bk, C] with their rings [B', L, C]."""
+    def conv_weights(self) -> dict[str, jax.Array]:
+        """The conv taps by name: `{p}` [K, C_p] and, in block mode, `{p}_right` [K-1, C_p]."""
         out = {}
         for p in CONV_PARTS:
             conv = getattr(self, f"conv_{p}")
-            out[p] = jax.nn.silu(block_conv(mixed[p], conv.kernel[...], conv.right[...], rings[p], seg, ring_seg))
+            out[p] = conv.kernel[...]
+            if hasattr(conv, "right"):
+                out[f"{p}_right"] = conv.right[...]
         return out
+
+    def _conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
+                    ring_seg: jax.Array, weights: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+        """Causal conv + SiLU of the q, k, v channel groups (AR / clean stream). `weights`: the taps
+        (`conv_weights()`, a device's channels of them inside a shard_map); default the layer's."""
+        w = self.conv_weights() if weights is None else weights
+        return {p: jax.nn.silu(causal_conv(mixed[p], w[p], rings[p], seg, ring_seg)) for p in CONV_PARTS}
+
+    def _block_conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
+                          ring_seg: jax.Array, weights: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+        """Noisy-stream conv (left taps over clean ring || block, right taps in the block) + SiLU.
+        Inputs are whole blocks [B', Bk, C] with their rings [B', L, C]; `weights` as `_conv_parts`."""
+        w = self.conv_weights() if weights is None else weights
+        return {p: jax.nn.silu(block_conv(mixed[p], w[p], w[f"{p}_right"], rings[p], seg, ring_seg))
+                for p in CONV_PARTS}
 
     def output(self, o_BTHV: jax.Array, z_BTHV: jax.Array, dtype: jnp.dtype) -> jax.Array:
         b, t = o_BTHV.shape[:2]

@@ -2,14 +2,16 @@
 
 `GatedDeltaNet.__call__` (no cache) and `GatedDeltaNet.two_stream` hand over here when the active
 mesh has a `context` axis > 1. Projections and the output stay outside (token-wise, partitioned by
-XLA); the sequence mixing runs per shard in one `shard_map` manual over `context`:
+XLA); the sequence mixing runs per shard in one `shard_map` manual over every mesh axis
+(`pallas_kernels.gdn_context.over_rows`): rows over the axes THE rule table gives `batch`, key and
+value heads over those of `act_heads` (the conv channels and taps with them), tokens over `context`.
 
 - conv halo: the K-1 pre-conv clean inputs before the shard (and their segment ids) come from the
   previous shard by `ppermute`; shard 0 gets the empty ring of the one-device run. The conv masks
   taps by segment as on one device, so a document start at (or just after) a shard boundary reads
   nothing of the document before it. The noisy stream's block rings read the same halo.
-- recurrence: `pallas_kernels.gdn_context` (affine shard maps, scanned across the axis; jnp
-  reference math per shard whatever `gdn_backend` says: per-shard kernels are the next step).
+- recurrence: `pallas_kernels.gdn_context` (affine shard maps, scanned across the axis), each shard
+  through the GDN dispatch with the configured `gdn_backend`, key heads grouped.
 """
 
 from __future__ import annotations
@@ -19,14 +21,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from clover_jax.model.gdn import CONV_PARTS, block_rings
+from clover_jax.parallel import sharding as sh
 from pallas_kernels.gdn_context import (
-    CONTEXT_AXIS, from_previous_shard, over_context, shard_block_gdn, shard_chunk_gdn,
+    CONTEXT_AXIS, RowSpecs, from_previous_shard, over_rows, row_specs, shard_block_gdn, shard_chunk_gdn,
 )
-
-_TOK = P(None, CONTEXT_AXIS)
 
 
 def _halo(parts: dict[str, jax.Array], seg_BT: jax.Array, lring: int, empty_segment: int):
@@ -38,9 +38,22 @@ def _halo(parts: dict[str, jax.Array], seg_BT: jax.Array, lring: int, empty_segm
     return rings, ring_seg
 
 
-def _zero_state(layer, b: int) -> jax.Array:
-    c = layer.cfg
-    return jnp.zeros((b, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), jnp.float32)
+def _specs(layer, b: int) -> RowSpecs:
+    """Row / head specs: the mesh axes the rule table gives `batch` and `act_heads` on a [B, T, nk]
+    activation (what the activations entering the shard_map carry, so entering moves nothing); the
+    GDN defaults without a sharding context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    ctx = sh.current()
+    if ctx is None:
+        return row_specs(mesh, b, layer.cfg.linear_num_key_heads)
+    spec = ctx.spec(("batch", None, "act_heads"), (b, 1, layer.cfg.linear_num_key_heads))
+    axes = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)  # noqa: E731
+    return row_specs(mesh, b, layer.cfg.linear_num_key_heads, axes(spec[0]), axes(spec[2]))
+
+
+def _zero_state(v_BTHV: jax.Array, dk: int) -> jax.Array:
+    b, _, h, dv = v_BTHV.shape
+    return jnp.zeros((b, h, dk, dv), jnp.float32)
 
 
 def clean_forward(layer, x_BTD: jax.Array, ctx: dict[str, Any], empty_segment: int = -1) -> jax.Array:
@@ -49,17 +62,20 @@ def clean_forward(layer, x_BTD: jax.Array, ctx: dict[str, Any], empty_segment: i
     mixed = layer.mix_inputs(x_BTD)
     g, beta = layer.gates(mixed["b"], mixed["a"])
     lring = c.linear_conv_kernel_dim - 1
+    weights = layer.conv_weights()
+    sp = _specs(layer, x_BTD.shape[0])
 
-    def body(q, k, v, g, beta, seg):
+    def body(q, k, v, g, beta, seg, w):
         parts = {"q": q, "k": k, "v": v}
         rings, ring_seg = _halo(parts, seg, lring, empty_segment)
-        qh, kh, vh = layer.heads(layer._conv_parts(parts, seg, rings, ring_seg))
-        o, _ = shard_chunk_gdn(qh, kh, vh, g, beta, seg, _zero_state(layer, seg.shape[0]), has_initial_state=False,
-                               chunk_size=c.gdn_chunk_size)
+        qh, kh, vh = layer.heads(layer._conv_parts(parts, seg, rings, ring_seg, w), repeat=False)
+        o, _ = shard_chunk_gdn(qh, kh, vh, g, beta, seg, _zero_state(vh, c.linear_key_head_dim),
+                               has_initial_state=False, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend)
         return o
 
-    o = over_context(body, (_TOK,) * 6, _TOK, mixed["q"], mixed["k"], mixed["v"], g, beta,
-                     ctx["segment_ids"].astype(jnp.int32))
+    w_specs = {name: sp.channel for name in weights}
+    o = over_rows(body, (sp.tok_h,) * 5 + (sp.tok, w_specs), sp.tok_h, mixed["q"], mixed["k"], mixed["v"], g, beta,
+                  ctx["segment_ids"].astype(jnp.int32), weights)
     return layer.output(o, mixed["z"], x_BTD.dtype)
 
 
@@ -74,26 +90,30 @@ def two_stream(layer, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
     clean = {p: mixed[p][:, :t] for p in CONV_PARTS}
     noisy = {p: mixed[p][:, t:] for p in CONV_PARTS}
     g, beta = layer.gates(mixed["b"][:, :t], mixed["a"][:, :t])
+    weights = layer.conv_weights()
+    sp = _specs(layer, x_BSD.shape[0])
 
-    def body(cq, ck, cv, nq, nk, nv, g, beta, seg):
+    def body(cq, ck, cv, nq, nk, nv, g, beta, seg, w, scalars):
         b, tl = seg.shape
         n = tl // bk
         clean, noisy = {"q": cq, "k": ck, "v": cv}, {"q": nq, "k": nk, "v": nv}
         rings, ring_seg = _halo(clean, seg, lring, empty)
-        conv_c = layer._conv_parts(clean, seg, rings, ring_seg)
+        conv_c = layer._conv_parts(clean, seg, rings, ring_seg, w)
         blocks = lambda a: a.reshape((b * n, bk) + a.shape[2:])  # noqa: E731
         ring_parts = {p: block_rings(clean[p], seg, bk, lring, empty, halo=(rings[p], ring_seg)) for p in CONV_PARTS}
         conv_n = layer._block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg),
-                                         {p: r for p, (r, _) in ring_parts.items()}, ring_parts["q"][1])
+                                         {p: r for p, (r, _) in ring_parts.items()}, ring_parts["q"][1], w)
         conv_n = {p: v.reshape(b, tl, -1) for p, v in conv_n.items()}
-        q_c, k_c, v_c = layer.heads(conv_c)
-        q_n, k_n, v_n = layer.heads(conv_n)
-        o_c, o_n, _ = shard_block_gdn(q_c, k_c, v_c, g, beta, q_n, k_n, v_n, layer.bd_gdn_softmax_scalars[...], seg,
-                                      _zero_state(layer, b), has_initial_state=False, block_size=bk,
-                                      chunk_size=c.gdn_chunk_size)
+        q_c, k_c, v_c = layer.heads(conv_c, repeat=False)
+        q_n, k_n, v_n = layer.heads(conv_n, repeat=False)
+        o_c, o_n, _ = shard_block_gdn(q_c, k_c, v_c, g, beta, q_n, k_n, v_n, scalars, seg,
+                                      _zero_state(v_c, c.linear_key_head_dim), has_initial_state=False,
+                                      block_size=bk, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend)
         return o_c, o_n
 
-    o_c, o_n = over_context(body, (_TOK,) * 9, (_TOK, _TOK), clean["q"], clean["k"], clean["v"], noisy["q"],
-                            noisy["k"], noisy["v"], g, beta, seg)
+    w_specs = {name: sp.channel for name in weights}
+    o_c, o_n = over_rows(body, (sp.tok_h,) * 8 + (sp.tok, w_specs, sp.per_head), (sp.tok_h, sp.tok_h),
+                         clean["q"], clean["k"], clean["v"], noisy["q"], noisy["k"], noisy["v"], g, beta, seg, weights,
+                         layer.bd_gdn_softmax_scalars[...])
     z = mixed["z"]
     return layer.output(jnp.concatenate([o_c, o_n], axis=1), z, x_BSD.dtype)

@@ -1,10 +1,10 @@
 """Context parallelism: the `context` mesh axis splits every row's sequence into contiguous shards.
 
 `length -> context` in THE rule table (`parallel.sharding`) shards [B, T, ...] activations along
-T. The sequence-mixing layers run per shard under a `shard_map` manual over `context` only (the
-other mesh axes stay automatic): the GDN folds each shard into an affine state map and scans the
-maps across shards (`pallas_kernels.gdn_context`), attention gathers K/V over the axis
-(`pallas_kernels.attention_context`). Token-wise layers (projections, MoE, norms) need nothing.
+T. The sequence-mixing layers run per shard under a `shard_map`: the GDN, manual over every mesh
+axis (rows and heads split as the rule table lays them out), folds each shard into an affine state
+map and scans the maps across shards (`pallas_kernels.gdn_context`); attention gathers K/V over the
+axis (`pallas_kernels.attention_context`). Token-wise layers (projections, MoE, norms) need nothing.
 
 The split must keep every block (block diffusion) and every GDN chunk inside one shard, and give
 each shard at least the conv's K-1 left taps: `check_context_split` says so naming the config keys.

@@ -157,3 +157,34 @@ def test_context_shard_length_is_checked():
     with jax.set_mesh(_mesh(4)):  # shards of 8 tokens: not a multiple of block 16
         with pytest.raises(ValueError, match="multiple of 16"):
             context_block_gated_delta_rule(q, k, v, g, beta, qn, kn, vn, sc, block_size=16)
+
+
+@pytest.mark.parametrize("mode", ["clean", "block"])
+def test_context_gdn_runs_the_pallas_kernels_per_shard(mode):
+    """backend="pallas" (the TPU kernel form, interpreted here) inside every shard of a fsdp 2 x
+    context 4 mesh, keys grouped (1 key head for 2 value heads): values and gradients equal the
+    one-device reference (which repeats the keys itself)."""
+    (q, k, v, g, beta), (qn, kn, vn, sc), init = _inputs(40)
+    q, k, qn, kn = (x[:, :, :1] for x in (q, k, qn, kn))
+    seg = _segments()
+    kw = dict(segment_ids=seg, chunk_size=4)
+    if mode == "clean":
+        args, ref = (q, k, v, g, beta, init), chunk_gated_delta_rule_ref
+        ctx = context_chunk_gated_delta_rule
+        call = lambda f, **b: lambda *a: f(*a[:5], initial_state=a[5], **kw, **b)  # noqa: E731
+    else:
+        args, ref = (q, k, v, g, beta, qn, kn, vn, sc, init), block_gated_delta_rule_ref
+        ctx = context_block_gated_delta_rule
+        call = lambda f, **b: lambda *a: f(*a[:9], initial_state=a[9], block_size=4, **kw, **b)  # noqa: E731
+    argn = tuple(range(len(args)))
+    want = fast_jit(call(ref))(*args)
+    want_g = fast_jit(jax.grad(_loss(call(ref)), argn))(*args)
+    mesh = _mesh(4)
+    with jax.set_mesh(mesh):
+        placed = _place(mesh, *args)
+        got = fast_jit(call(ctx, backend="pallas"))(*placed)
+        got_g = fast_jit(jax.grad(_loss(call(ctx, backend="pallas")), argn))(*placed)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_rel_close(a, b, FP32_REL, f"{mode} output {i}")
+    for i, (a, b) in enumerate(zip(got_g, want_g)):
+        assert_rel_close(a, b, FP32_REL, f"{mode} grad {i}")

@@ -1,9 +1,13 @@
 """The GDN layer over a sequence-sharded row (clover_jax/model/gdn_context.py) against the same layer
 on one device: the AR forward and both block-mode streams, on a context-8 mesh whose shards hold one
 block of 4 tokens each, so the conv's 3-token halo and the block rings always come from the
-neighbour; documents start at, just after and between shard boundaries, with pads."""
+neighbour; documents start at, just after and between shard boundaries, with pads. Mixed meshes:
+rows over fsdp x context 4, and rows over data x context 2 x heads over tensor (the shard_map is
+manual over every axis: each device holds one row and, on the tensor mesh, one key head and its
+two value heads, with their conv channels and taps)."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -52,13 +56,17 @@ def _compiled(fn, layer, x, seg, mesh=None):
         return step.lower(state, x).compile(compiler_options=FAST_COMPILE), state, x
 
 
-def _check(fn, width):
+MESHES = {"context8": sh.MeshConfig(fsdp=1, context=8), "fsdp2_context4": sh.MeshConfig(fsdp=2, context=4),
+          "data2_context2_tensor2": sh.MeshConfig(data=2, fsdp=1, context=2, tensor=2)}
+
+
+def _check(fn, width, mesh_cfg):
     layer = _layer()
     x = jax.random.normal(jax.random.key(2), (B, width, CFG.hidden_size))
     seg = _seg()
     one, state, x1 = _compiled(fn, layer, x, seg)
     (_, want), (want_gs, want_gx) = one(state, x1)
-    many, state, xs = _compiled(fn, layer, x, seg, sh.make_mesh(sh.MeshConfig(fsdp=1, context=8)))
+    many, state, xs = _compiled(fn, layer, x, seg, sh.make_mesh(mesh_cfg))
     (_, got), (got_gs, got_gx) = many(state, xs)
     assert_rel_close(got, want, FP32_REL, "output")
     # the gradients pass backward through the delta-rule products, whose conditioning amplifies
@@ -71,14 +79,16 @@ def _check(fn, width):
         assert_rel_close(g, r, grad_rel, jax.tree_util.keystr(path))
 
 
-def test_clean_forward_over_context_equals_one_device():
+@pytest.mark.parametrize("mesh", MESHES)
+def test_clean_forward_over_context_equals_one_device(mesh):
     def fn(layer, x, seg):
         ctx = {"segment_ids": seg, "ring_segment_ids": jnp.full((B, 3), NO_SEGMENT, jnp.int32)}
         return layer(x, ctx)[0]
-    _check(fn, T)
+    _check(fn, T, MESHES[mesh])
 
 
-def test_two_stream_over_context_equals_one_device():
+@pytest.mark.parametrize("mesh", MESHES)
+def test_two_stream_over_context_equals_one_device(mesh):
     def fn(layer, x, seg):
         return layer.two_stream(x, {"segment_ids": seg, "block_size": 4, "empty_segment": NO_SEGMENT})
-    _check(fn, 2 * T)
+    _check(fn, 2 * T, MESHES[mesh])
