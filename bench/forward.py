@@ -141,6 +141,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--moe-impl", default=None, help="override cfg.moe_impl (ragged|dense)")
+    ap.add_argument("--no-scan", action="store_true", help="unrolled layer stack (cfg.scan_layers=False)")
     ap.add_argument("--loss", choices=("chunked", "naive"), default="chunked",
                     help="fwd+bwd loss: each library's training CE, or full-logits log_softmax + gather")
     ap.add_argument("--skip-torch", action="store_true")
@@ -152,13 +153,15 @@ def main() -> None:
     cfg = get_preset(args.preset)
     if args.moe_impl:
         cfg = cfg.replace(moe_impl=args.moe_impl)
+    if args.no_scan:
+        cfg = cfg.replace(scan_layers=False)
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (args.batch, args.seq))
     ntok = args.batch * args.seq
     peak = matmul_peak_flops()
     flops_tok = model_flops_per_token(cfg, args.seq)
     print(f"config {args.preset}: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers} "
           f"({cfg.layer_types.count('linear_attention')} GDN), experts {cfg.num_experts} top-{cfg.num_experts_per_tok}, "
-          f"vocab {cfg.vocab_size}; batch {args.batch} x {args.seq}; moe_impl {cfg.moe_impl}; loss {args.loss}")
+          f"vocab {cfg.vocab_size}; batch {args.batch} x {args.seq}; moe_impl {cfg.moe_impl}; loss {args.loss}; scan {cfg.scan_layers}")
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({jax.device_count()} JAX CPU device(s))")
     t_f, t_fb = bench_jax(cfg, ids, args.repeats, args.fwd_only, args.loss)
     rows = [("clover_jax", t_f, t_fb)]
