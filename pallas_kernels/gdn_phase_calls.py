@@ -482,16 +482,13 @@ def _parallel_backward_kernel(q_ref, k_ref, v_ref, aux_ref, T_ref, w_ref, u_ref,
         ref[pl.ds(row, x.shape[0]), :] = x.astype(ref.dtype)
 
 
-def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: KernelConfig, interpret: bool,
-                           noisy=None):
-    """Every cotangent but the dS recurrence, parallel over (row, key head, chunk group): one grid
-    step takes a key head's rep value heads (adjacent in the flat head dim) and sums their dq, dk.
-    Returns (dq, dk [B,Tp,HK*K] in q's dtype, dv [B,Tp,H*V] in v's dtype, daux [B,H,N,AUX,C] fp32)
-    and with ``noisy`` = (qn, kn, vn, auxn, dOn, plan) (block mode) also (dqn, dkn, dvn, dauxn)."""
-    K = w.shape[-1] // aux.shape[1]
-    B, Tp, H, HK, V, C, N, rep = _shape(q, v, aux, K)
-    plan = None if noisy is None else noisy[-1]
-    G = group_size(N, C, plan.rb if plan else 1)
+def parallel_backward_io(q, k, v, aux, T, w, u, states, dstates, dO, noisy, *, G: int, rep: int, C: int, K: int,
+                         V: int):
+    """(args, in_specs, out_specs, out_shape) of the parallel backward on the (row, key head, chunk
+    group of G) grid, shared by the TPU and GPU forms: key columns [G*C, K], a key head's rep value
+    heads' columns [G*C, rep*K | rep*V], aux [rep, G, AUX, C], inverses [rep, G, C, C], states
+    [rep, G*K, V]; with ``noisy`` (block mode) the noisy stream's q, k, v, aux and dO too, its aux in
+    readout tiles of R tokens (G / plan.rb tiles per step)."""
     kq = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, h))
     kw = pl.BlockSpec((None, G * C, rep * K), lambda b, h, n: (b, n, h))
     vw = pl.BlockSpec((None, G * C, rep * V), lambda b, h, n: (b, n, h))
@@ -502,19 +499,35 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(aux.shape, f32)]
     args = (q, k, v, aux, T, w, u, states, dstates, dO)
     in_specs, out_specs = [kq, kq, vw, ax, tt, kw, vw, st, st, vw], [kq, kq, vw, ax]
-    specs = (spec((C, K), q.dtype), spec((C, K), k.dtype), spec((C, V), v.dtype), spec((AUX, C), f32),
-             spec((C, C), f32), spec((C, K), w.dtype), spec((C, V), u.dtype), spec((K, V), f32),
-             spec((C, V), dO.dtype), spec((K, V), f32))
-    step, extra = parallel_backward_step, ()
-    if plan is not None:
-        qn, kn, vn, auxn, dOn, _ = noisy
-        R = plan.R
-        nax = pl.BlockSpec((None, rep, G // plan.rb, AUX, R), lambda b, h, n: (b, h, n, 0, 0))
+    if noisy is not None:
+        qn, kn, vn, auxn, dOn, plan = noisy
+        nax = pl.BlockSpec((None, rep, G // plan.rb, AUX, plan.R), lambda b, h, n: (b, h, n, 0, 0))
         args = args + (qn, kn, vn, auxn, dOn)
         in_specs += [kq, kq, vw, nax, vw]
         out_specs += [kq, kq, vw, nax]
         out_shape += [jax.ShapeDtypeStruct(qn.shape, qn.dtype), jax.ShapeDtypeStruct(kn.shape, kn.dtype),
                       jax.ShapeDtypeStruct(vn.shape, vn.dtype), jax.ShapeDtypeStruct(auxn.shape, f32)]
+    return args, in_specs, out_specs, out_shape
+
+
+def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: KernelConfig, interpret: bool,
+                           noisy=None):
+    """Every cotangent but the dS recurrence, parallel over (row, key head, chunk group): one grid
+    step takes a key head's rep value heads (adjacent in the flat head dim) and sums their dq, dk.
+    Returns (dq, dk [B,Tp,HK*K] in q's dtype, dv [B,Tp,H*V] in v's dtype, daux [B,H,N,AUX,C] fp32)
+    and with ``noisy`` = (qn, kn, vn, auxn, dOn, plan) (block mode) also (dqn, dkn, dvn, dauxn)."""
+    K = w.shape[-1] // aux.shape[1]
+    B, Tp, H, HK, V, C, N, rep = _shape(q, v, aux, K)
+    plan = None if noisy is None else noisy[-1]
+    G = group_size(N, C, plan.rb if plan else 1)
+    args, in_specs, out_specs, out_shape = parallel_backward_io(
+        q, k, v, aux, T, w, u, states, dstates, dO, noisy, G=G, rep=rep, C=C, K=K, V=V)
+    specs = (spec((C, K), q.dtype), spec((C, K), k.dtype), spec((C, V), v.dtype), spec((AUX, C), f32),
+             spec((C, C), f32), spec((C, K), w.dtype), spec((C, V), u.dtype), spec((K, V), f32),
+             spec((C, V), dO.dtype), spec((K, V), f32))
+    step, extra = parallel_backward_step, ()
+    if plan is not None:
+        qn, vn, dOn, R = noisy[0], noisy[2], noisy[4], plan.R
         tile = _noisy_specs(qn, vn, R, K, V)
         if plan.mid:
             specs, step = specs + tile + (spec((C, V), dOn.dtype),), block_parallel_backward_step

@@ -46,7 +46,7 @@ from . import gdn_block_phase_math as bpm
 from . import gdn_phase_math as pm
 from .gdn_chunk_math import AUX_WIDTH as AUX
 from .gdn_phase_calls import (KernelConfig, _at_tile_start, _intra_kernel, _key_head, _noisy_forward_kernel,
-                              _parallel_backward_kernel, _shape)
+                              _parallel_backward_kernel, _shape, parallel_backward_io)
 
 f32 = jnp.float32
 
@@ -209,26 +209,11 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
         raise ValueError(f"{H} value heads on {HK} key heads: the GPU form needs a power-of-two ratio")
     plan = None if noisy is None else noisy[-1]
     G = plan.rb if plan else 1   # one readout tile per step
-    kq = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, h))
-    kw = pl.BlockSpec((None, G * C, rep * K), lambda b, h, n: (b, n, h))
-    vw = pl.BlockSpec((None, G * C, rep * V), lambda b, h, n: (b, n, h))
-    ax = pl.BlockSpec((None, rep, G, AUX, C), lambda b, h, n: (b, h, n, 0, 0))
-    tt = pl.BlockSpec((None, rep, G, C, C), lambda b, h, n: (b, h, n, 0, 0))
-    st = pl.BlockSpec((None, rep, G * K, V), lambda b, h, n: (b, h, n, 0))
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(aux.shape, f32)]
-    args = (q, k, v, aux, T, w, u, states, dstates, dO)
-    in_specs, out_specs = [kq, kq, vw, ax, tt, kw, vw, st, st, vw], [kq, kq, vw, ax]
-    if plan is not None:
-        qn, kn, vn, auxn, dOn, _ = noisy
-        if qn.shape != q.shape or kn.shape != k.shape:   # one key-head grid for both streams
-            raise ValueError(f"noisy qn {qn.shape}, kn {kn.shape} must match q {q.shape}, k {k.shape}")
-        nax = pl.BlockSpec((None, rep, 1, AUX, plan.R), lambda b, h, n: (b, h, n, 0, 0))
-        args += (qn, kn, vn, auxn, dOn)
-        in_specs += [kq, kq, vw, nax, vw]
-        out_specs += [kq, kq, vw, nax]
-        out_shape += [jax.ShapeDtypeStruct(qn.shape, qn.dtype), jax.ShapeDtypeStruct(kn.shape, kn.dtype),
-                      jax.ShapeDtypeStruct(vn.shape, vn.dtype), jax.ShapeDtypeStruct(auxn.shape, f32)]
+    # one key-head grid for both streams (an unrepeated qn would read out of bounds)
+    if plan is not None and (noisy[0].shape != q.shape or noisy[1].shape != k.shape):
+        raise ValueError(f"noisy qn {noisy[0].shape}, kn {noisy[1].shape} must match q {q.shape}, k {k.shape}")
+    args, in_specs, out_specs, out_shape = parallel_backward_io(
+        q, k, v, aux, T, w, u, states, dstates, dO, noisy, G=G, rep=rep, C=C, K=K, V=V)
     call = pl.pallas_call(
         functools.partial(_parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep, plan=plan),
         out_shape=out_shape, grid=(B, HK, N // G), in_specs=in_specs, out_specs=out_specs,
