@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from clover_jax.yaml_config import apply_overrides, from_tree, load_yaml_tree
+from clover_jax.yaml_config import ConfigError, apply_overrides, from_tree, load_yaml_tree
 
 __all__ = ["StudyConfig", "Steps", "default_steps", "is_study_config", "load_study_config", "run_study"]
 
@@ -74,12 +74,26 @@ class Steps:
     sweep: Callable[[Path, Path, Path, tuple[int, ...], tuple[float, ...], tuple[dict, ...]], None]
 
 
+def _pool_sizes(cfg: StudyConfig) -> tuple[int, int]:
+    """(max_functions, max_values) of the recipe's tool_task source: the eval and calibration prompts
+    draw functions and string values from the pools the models were trained on."""
+    from sft.config import load_sft_config
+    from sft.data.converters import resolve_options
+
+    recipe = load_sft_config(cfg.recipe, list(cfg.recipe_overrides))
+    src = next((s for s in recipe.data.sources if s.format == "tool_task"), None)
+    if src is None:
+        raise ConfigError(f"study.recipe {cfg.recipe}: no tool_task source in data.sources (the study's task)")
+    opts = resolve_options("tool_task", src.options, f"{cfg.recipe}: source {src.name!r}")
+    return opts["max_functions"], opts["max_values"]
+
+
 def _splits(cfg: StudyConfig, runs: Path) -> tuple[Path, Path]:
     from sft.data.tool_task import generate_records, load_schemas, prompt_key, write_jsonl
 
     ev, cal = runs / "eval.jsonl", runs / "calibration.jsonl"
     if not (ev.is_file() and cal.is_file()):
-        schemas = load_schemas(cfg.bfcl)
+        schemas = load_schemas(cfg.bfcl, *_pool_sizes(cfg))
         eval_recs = generate_records(cfg.eval_n, cfg.eval_seed, "heldout", schemas)
         seen = {prompt_key(r) for r in eval_recs}
         pool = generate_records(4 * cfg.calibration_n, cfg.calibration_seed, "heldout", schemas)
