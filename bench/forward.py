@@ -4,16 +4,20 @@ same CPU, side by side. Prints a table with ratios and the fraction of measured 
     python bench/forward.py                       # small-cpu preset, batch 4 x 512
     python bench/forward.py --batch 2 --seq 256 --repeats 3
     python bench/forward.py --loss naive          # full-logits log_softmax + gather on both sides
+    python bench/forward.py --scan both           # scanned and unrolled stacks beside torch
+    python bench/forward.py --breakdown           # + the per-module table
 
 fwd+bwd loss (`--loss`): `chunked` (default) is each library's own training CE: ours the chunked
 CE with its fused backward that the AR and SFT steps use (`sft.loss.weighted_ce`), torch's
 `F.cross_entropy` (what transformers' loss calls); `naive` is a hand-written full-logits
-log_softmax + gather on both sides.
+log_softmax + gather on both sides. The torch side runs in its own (worker) process, alternating
+with ours round by round; the ratios are medians of per-round ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import sys
 import time
@@ -39,6 +43,14 @@ def timeit(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def in_own_process(fn, *args):
+    """`fn(*args)` in a fresh (spawned) process: torch gets the cores to itself. Run after JAX in the
+    same process, torch's per-module times came out several-fold slow (XLA's CPU thread pool is
+    still there), so the torch side of every comparison runs in its own process."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
 
 
 def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
@@ -84,7 +96,9 @@ def chunked_ce(m, h_BTD, targets_BT):
     return weighted_ce(h_BTD, w, targets_BT, mask / mask.size, mask)[0]
 
 
-def bench_jax(cfg, ids_np, repeats, fwd_only=False, loss="chunked"):
+def jax_steps(cfg, ids_np, loss="chunked"):
+    """(fwd, fwd+bwd) of our model as zero-argument callables that block until done (the first call
+    compiles)."""
     model = create_model(cfg)
     ids = jnp.asarray(ids_np)
 
@@ -99,14 +113,11 @@ def bench_jax(cfg, ids_np, repeats, fwd_only=False, loss="chunked"):
     def fwd_bwd(m, x):
         return nnx.value_and_grad(loss_fn)(m, x)
 
-    t_f = timeit(lambda: fwd(model, ids).block_until_ready(), repeats)
-    if fwd_only:
-        return t_f, float("nan")
-    t_fb = timeit(lambda: jax.block_until_ready(fwd_bwd(model, ids)), repeats)
-    return t_f, t_fb
+    return (lambda: fwd(model, ids).block_until_ready()), (lambda: jax.block_until_ready(fwd_bwd(model, ids)))
 
 
-def bench_torch(cfg, ids_np, repeats, fwd_only=False, loss="chunked"):
+def torch_steps(cfg, ids_np, loss="chunked"):
+    """(fwd, fwd+bwd) of transformers' model of the same config, as zero-argument callables."""
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -130,8 +141,22 @@ def bench_torch(cfg, ids_np, repeats, fwd_only=False, loss="chunked"):
                                                       ids[:, 1:].reshape(-1))
         value.backward()
 
-    t_fb = float("nan") if fwd_only else timeit(fwd_bwd, repeats)
-    return timeit(fwd, repeats), t_fb, torch.get_num_threads()
+    return fwd, fwd_bwd
+
+
+# The torch worker process's model (set once by its pool initializer; lives only in that process).
+_WORKER: dict = {}
+
+
+def _torch_worker_init(cfg, ids_np, loss) -> None:
+    _WORKER["steps"] = torch_steps(cfg, ids_np, loss)
+
+
+def _torch_worker_time(repeats: int, fwd_only: bool) -> tuple[float, float, int]:
+    import torch
+
+    fwd, fwd_bwd = _WORKER["steps"]
+    return timeit(fwd, repeats), (float("nan") if fwd_only else timeit(fwd_bwd, repeats)), torch.get_num_threads()
 
 
 def main() -> None:
@@ -139,9 +164,12 @@ def main() -> None:
     ap.add_argument("--preset", default="small-cpu")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timings per round (best kept)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of ours and torch's")
     ap.add_argument("--moe-impl", default=None, help="override cfg.moe_impl (ragged|dense)")
-    ap.add_argument("--no-scan", action="store_true", help="unrolled layer stack (cfg.scan_layers=False)")
+    ap.add_argument("--scan", choices=("auto", "on", "off", "both"), default="auto",
+                    help="layer stack loop: auto = what `launch.py sft` picks here (unrolled on CPU, "
+                         "sft.recipe.platform_scan_default), on = lax.scan, off = unrolled, both = side by side")
     ap.add_argument("--loss", choices=("chunked", "naive"), default="chunked",
                     help="fwd+bwd loss: each library's training CE, or full-logits log_softmax + gather")
     ap.add_argument("--skip-torch", action="store_true")
@@ -153,28 +181,54 @@ def main() -> None:
     cfg = get_preset(args.preset)
     if args.moe_impl:
         cfg = cfg.replace(moe_impl=args.moe_impl)
-    if args.no_scan:
-        cfg = cfg.replace(scan_layers=False)
+    if args.scan == "auto":
+        from sft.config import ModelSpec
+        from sft.recipe import platform_scan_default
+
+        variants = [platform_scan_default(cfg, ModelSpec(), jax.default_backend())]
+    else:
+        variants = [cfg.replace(scan_layers=v) for v in {"on": (True,), "off": (False,), "both": (True, False)}[args.scan]]
+    cfg = variants[-1]
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (args.batch, args.seq))
     ntok = args.batch * args.seq
     peak = matmul_peak_flops()
     flops_tok = model_flops_per_token(cfg, args.seq)
     print(f"config {args.preset}: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers} "
           f"({cfg.layer_types.count('linear_attention')} GDN), experts {cfg.num_experts} top-{cfg.num_experts_per_tok}, "
-          f"vocab {cfg.vocab_size}; batch {args.batch} x {args.seq}; moe_impl {cfg.moe_impl}; loss {args.loss}; scan {cfg.scan_layers}")
+          f"vocab {cfg.vocab_size}; batch {args.batch} x {args.seq}; moe_impl {cfg.moe_impl}; loss {args.loss}")
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({jax.device_count()} JAX CPU device(s))")
-    t_f, t_fb = bench_jax(cfg, ids, args.repeats, args.fwd_only, args.loss)
-    rows = [("clover_jax", t_f, t_fb)]
-    if not args.skip_torch:
-        tt_f, tt_fb, threads = bench_torch(cfg, ids, args.repeats, args.fwd_only, args.loss)
-        rows.append((f"transformers (torch, {threads} threads)", tt_f, tt_fb))
-    print(f"\n{'impl':<34} {'fwd tok/s':>11} {'fwd+bwd tok/s':>14} {'fwd+bwd % peak':>15}")
-    for name, f, fb in rows:
-        mfu = 3 * flops_tok * ntok / fb / peak
-        print(f"{name:<34} {ntok / f:>11.0f} {ntok / fb:>14.0f} {100 * mfu:>14.1f}%")
-    if len(rows) == 2:
-        print(f"\nratio clover_jax / transformers: fwd {rows[1][1] / rows[0][1]:.2f}x, "
-              f"fwd+bwd {rows[1][2] / rows[0][2]:.2f}x")
+    names = [f"clover_jax ({'scanned' if v.scan_layers else 'unrolled'})" for v in variants]
+    ours = [jax_steps(v, ids, args.loss) for v in variants]
+    # Rounds alternate ours and torch's (a worker process that keeps its model), so both sides see the
+    # same minutes of a noisy host: each round's ratios are of neighbouring measurements.
+    times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    torch_name = "transformers (torch)"
+    pool = None if args.skip_torch else mp.get_context("spawn").Pool(1, _torch_worker_init, (cfg, ids, args.loss))
+    try:
+        for r in range(args.rounds):
+            for n, (f, fb) in zip(names, ours):
+                times[n].append((timeit(f, args.repeats), float("nan") if args.fwd_only else timeit(fb, args.repeats)))
+            if pool is not None:
+                t_f, t_fb, threads = pool.apply(_torch_worker_time, (args.repeats, args.fwd_only))
+                torch_name = f"transformers (torch, {threads} threads)"
+                times.setdefault(torch_name, []).append((t_f, t_fb))
+            print(f"round {r + 1}/{args.rounds}: " + "; ".join(
+                f"{n} {ntok / t[-1][0]:.0f} / {ntok / t[-1][1]:.0f}" for n, t in times.items()) + " tok/s (fwd / fwd+bwd)",
+                flush=True)
+    finally:
+        if pool is not None:
+            pool.close()
+    print(f"\n{'impl (median of ' + str(args.rounds) + ' rounds)':<36} {'fwd tok/s':>10} {'fwd+bwd tok/s':>14} "
+          f"{'fwd+bwd % peak':>15} {'fwd x torch':>22} {'fwd+bwd x torch':>22}")
+    ref = times.get(torch_name)
+    for n, t in times.items():
+        f, fb = (float(np.median([x[i] for x in t])) for i in (0, 1))
+        cols = ""
+        if ref is not None and n != torch_name:
+            # per-round ratios of neighbouring measurements: median [min, max]
+            rs = [[b[i] / a[i] for a, b in zip(t, ref)] for i in (0, 1)]
+            cols = "".join(f" {np.median(x):>8.2f}x [{min(x):.2f}, {max(x):.2f}]" for x in rs)
+        print(f"{n:<36} {ntok / f:>10.0f} {ntok / fb:>14.0f} {100 * 3 * flops_tok * ntok / fb / peak:>14.1f}%{cols}")
     if args.breakdown:
         from forward_breakdown import print_breakdown
 

@@ -4,9 +4,8 @@ random input [B, T, D]; fwd+bwd is the gradient of `sum(out * cotangent)` w.r.t.
 parameters and its input (what the module costs inside the full backward). The `full model` row
 is the scanned stack with embedding, lm_head and loss (bench/forward.py's own measurement).
 
-Known limit: the torch modules run right after JAX in the same process and their per-module times
-are not yet believable (e.g. rmsnorm tens of ms); the whole-model torch row is. Run torch in its own
-process before drawing per-module conclusions from the torch column."""
+The torch modules run in their own process (`forward.in_own_process`): right after JAX in the same
+process their times came out several-fold slow (rmsnorm tens of ms)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from flax import nnx
 
 from clover_jax.model import moe as moe_lib
 from clover_jax.model.clover_model import create_model
-from forward import chunked_ce, timeit as _best  # bench/ is on sys.path when forward.py runs
+from forward import chunked_ce, in_own_process, timeit as _best  # bench/ is on sys.path when forward.py runs
 
 
 def _jax_pair(module: nnx.Module, fn: Callable, x: jax.Array, repeats: int) -> tuple[float, float]:
@@ -153,7 +152,7 @@ def _routing(mlp, xx):
 
 def print_breakdown(cfg, ids_np: np.ndarray, repeats: int, skip_torch: bool) -> None:
     ours = jax_rows(cfg, ids_np, repeats)
-    theirs = {} if skip_torch else torch_rows(cfg, ids_np, repeats)
+    theirs = {} if skip_torch else in_own_process(torch_rows, cfg, ids_np, repeats)
     nan = (float("nan"), float("nan"))
     print(f"\n{'module (one layer, ms)':<32} {'jax fwd':>8} {'jax f+b':>8} {'torch fwd':>9} {'torch f+b':>9} "
           f"{'f+b / fwd':>9} {'torch/jax f+b':>13}")

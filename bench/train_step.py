@@ -5,7 +5,8 @@ FLOPs per step come from the compiler (`jax.jit(...).lower(...).compile().cost_a
 peak is measured in the same run with a large fp32 matmul, so MFU = FLOPs / step time / that peak.
 XLA's cost analysis counts a while-loop body once, so the step is compiled with the layer stack
 unrolled (`scan_layers=False`) for the count; the rows "flops (scanned)" show what the scanned
-compile reports. Tokens/s counts the tokens of the drawn rows (the SFT step runs each row twice:
+compile reports. The step is timed with the layer loop `launch.py sft` uses on this backend
+(`sft.recipe.platform_scan_default`: unrolled on CPU). Tokens/s counts the tokens of the drawn rows (the SFT step runs each row twice:
 mask and complement).
 
     python bench/train_step.py                      # small-cpu, 2 x 512, block 32
@@ -32,7 +33,9 @@ from flax import nnx  # noqa: E402
 from clover_jax.config import get_preset  # noqa: E402
 from clover_jax.model.clover_model import create_model, model_to_params  # noqa: E402
 from sft.loss import LossConfig, ar_targets, make_sft_loss, weighted_ce  # noqa: E402
+from sft.config import ModelSpec  # noqa: E402
 from sft.noise import NoiseConfig  # noqa: E402
+from sft.recipe import platform_scan_default  # noqa: E402
 from train.config import OptimizerConfig  # noqa: E402
 from train.optimizer import build_optimizer  # noqa: E402
 from train.state import init_train_state  # noqa: E402
@@ -92,6 +95,7 @@ def main() -> None:
     batch = {k: jnp.asarray(v) for k, v in make_batch(rng, args.batch, args.seq, cfg.vocab_size, args.loss_frac).items()}
     opt = build_optimizer(OptimizerConfig(lr=1e-4), 100)
     peak = measured_peak()
+    production_scan = platform_scan_default(cfg, ModelSpec(), jax.default_backend()).scan_layers
     rows = {}
     for name in ("ar", "sft"):
         res = {}
@@ -112,7 +116,7 @@ def main() -> None:
             ca = compiled.cost_analysis()
             ca = ca[0] if isinstance(ca, (list, tuple)) else ca
             res["flops_scanned" if scan else "flops"] = float(ca.get("flops", 0.0))
-            if scan:  # time the production (scanned) compile
+            if scan == production_scan:  # time the loop `launch.py sft` uses on this backend
                 state, _ = compiled(state, batch)
                 jax.block_until_ready(state)
                 times = []

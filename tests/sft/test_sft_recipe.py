@@ -480,3 +480,21 @@ def test_sigkill_then_real_sigterm_and_resume_are_bit_exact(runs):
             if k in x:
                 assert x[k] == y[k], (x["step"], k, x[k], y[k])  # bit-exact (JSON round-trips floats)
     assert "eval/loss" in rb[1]
+
+
+def test_layer_stack_unrolls_on_cpu_unless_the_recipe_says(runs):
+    """The recipe picks the layer loop for the devices it trains on (issue 19): unrolled on CPU, scanned
+    elsewhere, and a `model.scan_layers` the recipe sets always wins (both values, both platforms)."""
+    from sft.config import ModelSpec, load_sft_config
+    from sft.recipe import platform_scan_default, prepare
+
+    assert prepare(load_sft_config(runs["cfg_a"])).model_cfg.scan_layers is False  # these tests run on CPU
+    assert prepare(load_sft_config(runs["cfg_a"], ["model.scan_layers=true"])).model_cfg.scan_layers is True
+    from clover_jax.config import get_preset
+
+    cfg = get_preset("tiny")
+    for platform, want in (("cpu", False), ("tpu", True), ("gpu", True)):
+        assert platform_scan_default(cfg, ModelSpec(), platform).scan_layers is want
+        for set_to in (True, False):
+            spec = ModelSpec(overrides={"scan_layers": set_to})
+            assert platform_scan_default(cfg.replace(scan_layers=set_to), spec, platform).scan_layers is set_to
