@@ -13,6 +13,9 @@ real BFCL function schemas (``BFCL_v4_simple_python.json``: functions whose requ
 - ``none`` (20%): small talk that names someone (the reply greets them) or a request for a function that is not offered (the
   reply names it: "None of the available tools can <name words>.").
 
+A training curriculum may mix in copy drills (`echo_share`, default 0: the task as above): the user
+lists 2-4 pool values and the reply repeats them in order, so every value token is copied often.
+
 String values come from the string arguments of BFCL's possible answers (all categories that ship a
 ``possible_answer`` file next to the schemas): real values, shared by every function, so the value
 cannot be guessed from the function. Record ``i`` of ``(seed, split)`` depends only on them: draws
@@ -44,6 +47,9 @@ _WORDS = ("zero one two three four five six seven eight nine ten eleven twelve")
 _SMALL_TALK = (("Hi, I am {v}.", "Hello {v}! How can I help you today?"),
                ("Thanks, that's all from {v}.", "You're welcome, {v}! Have a great day."),
                ("Good morning, this is {v}.", "Good morning, {v}! What can I do for you?"))
+# the copy drill (a training curriculum, `echo_share`): the user lists values, the reply repeats them
+_ECHO = (("Please note these names: {vs}.", "Noted: {vs}."),
+         ("Remember {vs} for later.", "I will remember {vs}."))
 _VALUE_RE = re.compile(r"[A-Za-z][A-Za-z0-9 .,-]*")  # plain values: no quotes, escapes or markup
 _ASK = ("Please {what} with {args}.", "Can you {what} with {args}?", "I need to {what}: {args}.")
 
@@ -145,7 +151,19 @@ def _request(rng: random.Random, tool: dict, pool: Sequence[str]) -> tuple[str, 
     return rng.choice(_ASK).format(what=_name_words(fn["name"]), args=text), args
 
 
-def _draw(rng: random.Random, schemas: TaskSchemas) -> dict:
+def _echo(rng: random.Random, schemas: TaskSchemas) -> dict:
+    """A copy-drill record: 2-4 distinct pool values in the user turn, repeated in order by the reply
+    (no call; 2-3 tools offered as in every record)."""
+    vals = rng.sample(schemas.values, rng.randint(2, 4))
+    vs = ", ".join(vals[:-1]) + " and " + vals[-1]
+    user, reply = (s.format(vs=vs) for s in rng.choice(_ECHO))
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}],
+            "tools": rng.sample(schemas.tools, rng.randint(2, 3))}
+
+
+def _draw(rng: random.Random, schemas: TaskSchemas, echo_share: float = 0.0) -> dict:
+    if echo_share > 0 and rng.random() < echo_share:  # no extra draw at 0: the task's streams stay as they were
+        return _echo(rng, schemas)
     scenario = rng.choices(["single", "multi", "none"], [50, 30, 20])[0]
     needed = rng.sample(schemas.tools, 2 if scenario == "multi" else 1)
     others = [t for t in schemas.tools if t not in needed]
@@ -181,19 +199,22 @@ def _bucket(record: dict) -> str:
     return "heldout" if h % HELDOUT_BUCKETS == 0 else "train"
 
 
-def generate_record(index: int, seed: int, split: str, schemas: TaskSchemas) -> dict:
-    """Record `index` of stream (`seed`, `split`): draws until the user turn lies in `split`'s bucket."""
+def generate_record(index: int, seed: int, split: str, schemas: TaskSchemas, echo_share: float = 0.0) -> dict:
+    """Record `index` of stream (`seed`, `split`): draws until the user turn lies in `split`'s bucket.
+    `echo_share`: the probability of a copy-drill record (`_echo`; a training curriculum, 0 = the task)."""
+    if not 0.0 <= echo_share < 1.0:
+        raise ValueError(f"tool_task: echo_share must be in [0, 1), got {echo_share}")
     if split not in SPLITS:
         raise ValueError(f"tool_task: split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"clover-tool-task:{seed}:{split}:{index}")
     while True:
-        rec = _draw(rng, schemas)
+        rec = _draw(rng, schemas, echo_share)
         if _bucket(rec) == split:
             return rec
 
 
-def generate_records(n: int, seed: int, split: str, schemas: TaskSchemas) -> list[dict]:
-    return [generate_record(i, seed, split, schemas) for i in range(n)]
+def generate_records(n: int, seed: int, split: str, schemas: TaskSchemas, echo_share: float = 0.0) -> list[dict]:
+    return [generate_record(i, seed, split, schemas, echo_share) for i in range(n)]
 
 
 def assert_disjoint(train: Sequence[dict], heldout: Sequence[dict]) -> None:

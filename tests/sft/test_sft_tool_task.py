@@ -101,3 +101,20 @@ def test_tool_task_source_format(tmp_path):
         SourceConfig(name="task", format="tool_task", path=str(BFCL), options={"split": "eval"})
     with pytest.raises(ConfigError, match="file not found"):
         load_source(SourceConfig(name="task", format="tool_task", path=str(tmp_path / "no.json")), cfg)
+
+
+def test_copy_drills_repeat_the_user_values_and_leave_the_task_stream_alone(schemas):
+    """`echo_share`: about that share of records are copy drills whose reply repeats the user's 2-4 pool
+    values in order; at 0 the stream is the task's own, record for record (the drill draws nothing)."""
+    plain = tt.generate_records(300, 5, "train", schemas)
+    assert plain == tt.generate_records(300, 5, "train", schemas, echo_share=0.0)
+    mixed = tt.generate_records(300, 5, "train", schemas, echo_share=0.4)
+    drills = [r for r in mixed if r["messages"][1]["content"].startswith(("Noted: ", "I will remember "))]
+    assert 0.3 < len(drills) / 300 < 0.5
+    for r in drills:
+        user, reply = r["messages"][0]["content"], r["messages"][1]["content"]
+        listed = reply.removeprefix("Noted: ").removeprefix("I will remember ").removesuffix(".")
+        assert listed in user and "tool_calls" not in r["messages"][1] and len(r["tools"]) >= 2
+        assert sum(v in listed for v in schemas.values) >= 2  # 2-4 pool values ("a, b and c")
+    with pytest.raises(ValueError, match="echo_share"):
+        tt.generate_record(0, 5, "train", schemas, echo_share=1.0)

@@ -51,6 +51,8 @@ OPTIONS["tool_task"] = {
     "split": (str, "train", "train | heldout: disjoint user turns (sft.data.tool_task)"),
     "max_functions": (int, 32, "eligible BFCL functions in the pool (file order)"),
     "max_values": (int, 256, "string values sampled from BFCL's possible answers"),
+    "echo_share": ((float, int), 0.0, "share of copy-drill records (the user lists 2-4 values, the reply "
+                   "repeats them): a training curriculum, 0 for eval splits"),
 }
 
 
