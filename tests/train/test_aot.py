@@ -162,14 +162,15 @@ def test_compile_plans_the_recipe_sft_step_for_v5p_64_at_seq_8192():
     assert d["roofline"]["bound"] in ("compute", "HBM bandwidth", "interconnect") and 0 < d["roofline"]["mfu"] < 1
 
 
-def test_expert_weight_gradients_are_reduce_scattered_onto_the_fsdp_shards():
+def test_expert_and_lm_head_gradients_are_reduce_scattered_onto_the_fsdp_shards():
     """agent_long's layout (no expert axis; weights' embed dim FSDP-sharded over fsdp x context) at
-    the smallest widths (the `tiny` preset, 2 layers, fsdp 2 x context 2 on v5p-8): the expert
-    weights' gradients leave the MoE's shard_map as reduce-scatters onto the parameter's [E, D/4, I]
-    / [E, I, D/4] shards, never as an all-reduce of the whole [E, D, I] (the shard_map transpose's
-    psum when the weights entered it replicated: ~1.2 TB/chip/step of all-reduce in the 32K plan).
-    Oracle: the parameter shapes and the rule table's 4-way split of the embed dim, read against
-    the collectives of the optimized HLO."""
+    the smallest widths (the `tiny` preset, 2 layers, fsdp 2 x context 2 on v5p-8): the gradients
+    of the expert weights (the MoE's shard_map) and of the lm_head (the chunked CE's) leave as
+    reduce-scatters onto the parameters' [E, D/4, I] / [E, I, D/4] / [D/4, V] shards, never as an
+    all-reduce of the whole weight (shard_map's transpose psums the whole cotangent of an operand
+    that enters replicated; the CE reduced dW across devices per chunk: in the agent_long 32K plan
+    ~0.39 TB + ~0.78 TB of all-reduce per chip per step). Oracle: the parameter shapes and the
+    rule table's 4-way split of the embed dim, against the optimized HLO's collectives."""
     import launch
     from train import hlo_cost
 
@@ -179,9 +180,10 @@ def test_expert_weight_gradients_are_reduce_scattered_onto_the_fsdp_shards():
     (p,) = launch._sft_compile_plans("configs/agent_mix.yaml", recipe, ["v5p-8"])
     assert p.compiled and p.mesh_shape == {"data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 1}
     cfg = get_preset("tiny")
-    e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    full = {(e, d, i), (e, i, d)}
-    shards = {(e, d // 4, i), (e, i, d // 4)}
+    e, d, i, v = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.vocab_size
+    assert not cfg.tie_word_embeddings
+    full = {(e, d, i), (e, i, d), (d, v)}
+    shards = {(e, d // 4, i), (e, i, d // 4), (d // 4, v)}
     comps, _ = hlo_cost.parse_module(p.executable.as_text())
     all_reduced, scattered = [], set()
     for comp, instrs in comps.items():
@@ -191,8 +193,8 @@ def test_expert_weight_gradients_are_reduce_scattered_onto_the_fsdp_shards():
                 all_reduced += [x for x in dims if x in full]
             if ins.opcode in ("reduce-scatter", "reduce-scatter-start"):
                 scattered |= {x for x in dims if x in shards}
-    assert not all_reduced, f"expert weight gradients all-reduced whole: {all_reduced}"
-    assert scattered == shards, f"expert weight gradients reduce-scattered to {scattered}, want {shards}"
+    assert not all_reduced, f"gradients all-reduced whole: {all_reduced}"
+    assert scattered == shards, f"gradients reduce-scattered to {scattered}, want {shards}"
 
 
 def test_cli_reports_a_step_that_does_not_fit(capsys):
