@@ -52,11 +52,11 @@ def load_balancing_loss(probs_TE: jax.Array, experts_TK: jax.Array, valid_T: jax
     """Switch-style loss `E * sum_e f_e P_e` over valid tokens (f_e: share of the T*k assignments that
     go to e, P_e: mean router probability), and the per-expert assignment counts [E]."""
     e = probs_TE.shape[-1]
-    w = valid_T.astype(jnp.float32)
-    counts = jnp.zeros((e,), jnp.float32).at[experts_TK].add(jnp.broadcast_to(w[:, None], experts_TK.shape))
+    w = valid_T.astype(jnp.float32)  # any leading token dims ([T] or [B, T]), as probs / experts
+    counts = jnp.zeros((e,), jnp.float32).at[experts_TK].add(jnp.broadcast_to(w[..., None], experts_TK.shape))
     n = jnp.maximum(jnp.sum(w), 1.0)
     frac = counts / (n * experts_TK.shape[-1])
-    mean_prob = jnp.sum(probs_TE * w[:, None], axis=0) / n
+    mean_prob = jnp.sum(probs_TE * w[..., None], axis=tuple(range(w.ndim))) / n
     return e * jnp.sum(frac * mean_prob), counts
 
 
@@ -394,20 +394,25 @@ class MoE(nnx.Module):
         """x [B, T, D] -> ([B, T, D], aux {"lb_loss": scalar, "expert_counts": [E]}).
         `ctx["valid"]` [B, T] excludes pad tokens from the load statistics."""
         b, t, d = x_BTD.shape
-        x = x_BTD.reshape(b * t, d).astype(self.dtype)
-        probs, weights, experts = route(self.router(x), self.top_k)
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
         mesh_ctx = sharding.current()
         if mesh_ctx is not None and mesh_ctx.mesh.size > 1:
-            k = self.top_k
-            routed = experts_parallel(
-                x.reshape(b, t, d), weights.reshape(b, t, k), experts.reshape(b, t, k),
-                w(self.wi_gate), w(self.wi_up), w(self.wo), ctx=mesh_ctx, impl=self.impl, dispatch=self.dispatch,
-            ).reshape(b * t, d)
+            # [B, T] kept apart: with rows over the batch axes and T over `context`, flattening to
+            # [B*T] is no sharding XLA can hold once a device has more than one row, so it would
+            # all-gather every row's whole sequence over `context` (bf16 and fp32 [rows, 2T, D]
+            # per layer in the agent_long plans)
+            x = x_BTD.astype(self.dtype)
+            probs, weights, experts = route(self.router(x), self.top_k)
+            routed = experts_parallel(x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo), ctx=mesh_ctx,
+                                      impl=self.impl, dispatch=self.dispatch)
+            valid = ctx["valid"]
         else:
+            x = x_BTD.reshape(b * t, d).astype(self.dtype)
+            probs, weights, experts = route(self.router(x), self.top_k)
             routed = EXPERT_IMPLS[resolve_impl(self.impl)](x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo))
+            valid = ctx["valid"].reshape(-1)
         shared = self.shared_down_proj(jax.nn.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
         gate = jax.nn.sigmoid(self.shared_gate(x).astype(jnp.float32))
         y = remat.tag(routed + gate * shared.astype(jnp.float32), remat.MOE_OUT)
-        lb, counts = load_balancing_loss(probs, experts, ctx["valid"].reshape(-1))
+        lb, counts = load_balancing_loss(probs, experts, valid)
         return y.astype(x_BTD.dtype).reshape(b, t, d), {"lb_loss": lb, "expert_counts": counts}
