@@ -134,21 +134,46 @@ def _ce_chunks_bwd(res, g_sums):
 _ce_chunks.defvjp(_ce_chunks_fwd, _ce_chunks_bwd)
 
 
-def _row_groups(rows: int) -> int:
-    """Groups of rows that the CE compacts together: all rows (1 group) on one device; under a mesh
-    (`clover_jax.parallel.sharding.use_sharding`) one group per batch shard, so the sort and gather stay on
-    the device that holds the rows."""
-    from clover_jax.parallel import sharding
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
-    ctx = sharding.current()
-    if ctx is None or ctx.mesh.size == 1:
-        return 1
-    spec = ctx.spec(("batch",), (rows,), what="CE rows")[0]
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-    n = 1
-    for a in axes:
-        n *= dict(ctx.mesh.shape)[a]
-    return n
+
+def _sharded_ce(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, coef_BT: jax.Array, mask_BT: jax.Array,
+                chunk_tokens: int, ctx: Any) -> jax.Array:
+    """`weighted_ce` under a mesh: one `shard_map` over the whole mesh in which every device sweeps
+    the chunks of its own tokens ([B / batch shards, T / context shards], `chunk_tokens / shards`
+    positions per chunk: the same [C, V] logits tile per device as one global chunk split over the
+    shards) and keeps its dW [D, V] partial sum local over all its chunks. The lm_head enters
+    sharded as its parameter (embed over FSDP, vocab over tensor) and is all-gathered inside in
+    the compute dtype, so its gradient leaves as one reduce-scatter onto the parameter's shards per
+    call; the three sums are psum'd over the token axes. Without it (rows grouped by batch shard
+    only, tokens gathered over `context`) every context shard ran the same chunks, and XLA reduced
+    dW across devices inside the chunk loop: an all-reduce of [D, V] per chunk."""
+    from jax.sharding import PartitionSpec as P
+
+    b, t, _ = h_BTD.shape
+    mesh = ctx.mesh
+    tok = ctx.spec(("batch", "length"), (b, t), what="CE tokens")
+    w_spec = ctx.spec(("embed", "vocab"), tuple(w_DV.shape), what="lm_head")
+    tok_axes = _axes(tok[0]) + _axes(tok[1])
+    shards = 1
+    for a in tok_axes:
+        shards *= dict(mesh.shape)[a]
+    local_chunk = -(-chunk_tokens // shards)
+
+    def body(h, w, tgt, coef, m):
+        for dim, entry in enumerate(w_spec):
+            if _axes(entry):
+                w = jax.lax.all_gather(w, _axes(entry), axis=dim, tiled=True)
+        sums = weighted_ce(h, w, tgt, coef, m, chunk_tokens=local_chunk, groups=1)
+        return jax.lax.psum(sums, tok_axes) if tok_axes else sums
+
+    rows = P(tok[0], tok[1])
+    # check_vma=False as the MoE's shard_map: the output is psum'd over the token axes, the rest of
+    # the mesh computes the same sums (the transpose divides its cotangent among them)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(tok[0], tok[1], None), w_spec, rows, rows, rows),
+                       out_specs=P(), check_vma=False)
+    return fn(h_BTD, w_DV.astype(h_BTD.dtype), targets_BT, coef_BT, mask_BT)
 
 
 def weighted_ce(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, coef_BT: jax.Array,
@@ -157,11 +182,19 @@ def weighted_ce(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, coef_B
 
     Returns f32 [3]: (sum coef_i * nll_i (differentiable wrt h and w), sum nll_i, number of
     argmax-correct tokens). `w_DV` is the lm_head kernel [D, V]. The B rows form `groups` groups
-    (default `_row_groups`; B must be divisible by it), each compacted so its loss tokens come
-    first; a chunk holds C = ceil(chunk_tokens / groups) positions of every group, and never more
-    than one [groups, C, V] logits tile exists."""
+    (B must be divisible by it, else 1), each compacted so its loss tokens come first; a chunk holds
+    C = ceil(chunk_tokens / groups) positions of every group, and never more than one [groups, C, V]
+    logits tile exists. `groups` None: one group, or under a mesh (`sharding.use_sharding`) one per
+    device, each device's own tokens (`_sharded_ce`)."""
+    from clover_jax.parallel import sharding
+
+    if groups is None:
+        ctx = sharding.current()
+        if ctx is not None and ctx.mesh.size > 1:
+            return _sharded_ce(h_BTD, w_DV, targets_BT, coef_BT, mask_BT, chunk_tokens, ctx)
+        groups = 1
     b, t, d = h_BTD.shape
-    g = _row_groups(b) if groups is None else groups
+    g = groups
     if b % g:
         g = 1
     n_tok = (b // g) * t

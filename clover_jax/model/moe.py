@@ -52,11 +52,11 @@ def load_balancing_loss(probs_TE: jax.Array, experts_TK: jax.Array, valid_T: jax
     """Switch-style loss `E * sum_e f_e P_e` over valid tokens (f_e: share of the T*k assignments that
     go to e, P_e: mean router probability), and the per-expert assignment counts [E]."""
     e = probs_TE.shape[-1]
-    w = valid_T.astype(jnp.float32)
-    counts = jnp.zeros((e,), jnp.float32).at[experts_TK].add(jnp.broadcast_to(w[:, None], experts_TK.shape))
+    w = valid_T.astype(jnp.float32)  # any leading token dims ([T] or [B, T]), as probs / experts
+    counts = jnp.zeros((e,), jnp.float32).at[experts_TK].add(jnp.broadcast_to(w[..., None], experts_TK.shape))
     n = jnp.maximum(jnp.sum(w), 1.0)
     frac = counts / (n * experts_TK.shape[-1])
-    mean_prob = jnp.sum(probs_TE * w[:, None], axis=0) / n
+    mean_prob = jnp.sum(probs_TE * w[..., None], axis=tuple(range(w.ndim))) / n
     return e * jnp.sum(frac * mean_prob), counts
 
 
@@ -293,16 +293,25 @@ def _dispatch_ring(x_ND, w_NK, e_NK, wg, wu, wo, *, axes, impl: str, platform: s
     return jax.lax.psum(y_tok, axes).astype(jnp.float32)
 
 
+def _embed_axes(ctx: sharding.ShardingContext, logical: tuple[str, ...], shape: tuple[int, ...],
+                taken: tuple[str, ...]) -> tuple[str, ...]:
+    """Mesh axes the rule table splits an expert weight's `embed` dim over (FSDP), minus axes the
+    experts / expert_mlp dims already use inside the MoE's shard_map."""
+    spec = ctx.spec(logical, shape, what="MoE expert weight")
+    return tuple(a for a in _axes_of(spec[logical.index("embed")]) if a not in taken)
+
+
 def experts_parallel(x_BTD, weights_BTK, experts_BTK, wi_gate_EDI, wi_up_EDI, wo_EID, *,
                      ctx: sharding.ShardingContext, impl: str = "auto", dispatch: str = "ragged_a2a") -> jax.Array:
     """Routed experts under a mesh, [B, T, D] fp32.
 
     Inside one `shard_map` over the whole mesh: tokens keep the `batch`/`length` sharding, expert
     weights are split over the `experts` rule's axes (E/ep local experts) and their `expert_mlp`
-    dim over its axes (partial sums, psum'd at the end); the embed dim is gathered at the boundary
-    (FSDP). Tokens sharded over the expert axes go through `dispatch`; tokens replicated there
-    (a batch too small to split) run the local experts and psum. Without expert axes every device
-    runs all experts on its own tokens."""
+    dim over its axes (partial sums, psum'd at the end); the embed dim enters FSDP-sharded and is
+    all-gathered inside, so its gradient leaves reduce-scattered onto the parameter's shards.
+    Tokens sharded over the expert axes go through `dispatch`; tokens replicated there (a batch too
+    small to split) run the local experts and psum. Without expert axes every device runs all
+    experts on its own tokens."""
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown moe_dispatch {dispatch!r}; expected one of {DISPATCHES}")
     mesh = ctx.mesh
@@ -323,12 +332,23 @@ def experts_parallel(x_BTD, weights_BTK, experts_BTK, wi_gate_EDI, wi_up_EDI, wo
     impl = resolve_impl(impl, platform)
     x_spec = jax.sharding.PartitionSpec(tok[0], tok[1], None)
     e_ax, m_ax = (ep_axes or None), (mlp_axes or None)
-    w_in = jax.sharding.PartitionSpec(e_ax, None, m_ax)
-    w_out = jax.sharding.PartitionSpec(e_ax, m_ax, None)
+    # the embed dim enters sharded as the parameter is (FSDP) and is all-gathered inside: the
+    # transpose of that all-gather is a reduce-scatter of the weight gradient onto the parameter's
+    # shards. Entering replicated instead, shard_map's transpose psums the whole [E, D, I]
+    # cotangent over every axis the spec leaves out: an all-reduce per weight, per layer, per
+    # micro-batch (~1.2 TB/chip/step in the agent_long 32K plan).
+    gi = _embed_axes(ctx, ("experts", "embed", "expert_mlp"), wi_gate_EDI.shape, ep_axes + mlp_axes)
+    go = _embed_axes(ctx, ("experts", "expert_mlp", "embed"), wo_EID.shape, ep_axes + mlp_axes)
+    w_in = jax.sharding.PartitionSpec(e_ax, gi or None, m_ax)
+    w_out = jax.sharding.PartitionSpec(e_ax, m_ax, go or None)
 
     def body(x, w, ex, wg, wu, wo):
         bl, tl, _ = x.shape
         k = ex.shape[-1]
+        if gi:
+            wg, wu = (jax.lax.all_gather(a, gi, axis=1, tiled=True) for a in (wg, wu))
+        if go:
+            wo = jax.lax.all_gather(wo, go, axis=2, tiled=True)
         args = (x.reshape(bl * tl, d), w.reshape(bl * tl, k), ex.reshape(bl * tl, k), wg, wu, wo)
         if ep == 1:
             y = (experts_dense(*args) if impl == "dense" else experts_sorted(*args, impl=impl, platform=platform))
@@ -374,20 +394,25 @@ class MoE(nnx.Module):
         """x [B, T, D] -> ([B, T, D], aux {"lb_loss": scalar, "expert_counts": [E]}).
         `ctx["valid"]` [B, T] excludes pad tokens from the load statistics."""
         b, t, d = x_BTD.shape
-        x = x_BTD.reshape(b * t, d).astype(self.dtype)
-        probs, weights, experts = route(self.router(x), self.top_k)
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
         mesh_ctx = sharding.current()
         if mesh_ctx is not None and mesh_ctx.mesh.size > 1:
-            k = self.top_k
-            routed = experts_parallel(
-                x.reshape(b, t, d), weights.reshape(b, t, k), experts.reshape(b, t, k),
-                w(self.wi_gate), w(self.wi_up), w(self.wo), ctx=mesh_ctx, impl=self.impl, dispatch=self.dispatch,
-            ).reshape(b * t, d)
+            # [B, T] kept apart: with rows over the batch axes and T over `context`, flattening to
+            # [B*T] is no sharding XLA can hold once a device has more than one row, so it would
+            # all-gather every row's whole sequence over `context` (bf16 and fp32 [rows, 2T, D]
+            # per layer in the agent_long plans)
+            x = x_BTD.astype(self.dtype)
+            probs, weights, experts = route(self.router(x), self.top_k)
+            routed = experts_parallel(x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo), ctx=mesh_ctx,
+                                      impl=self.impl, dispatch=self.dispatch)
+            valid = ctx["valid"]
         else:
+            x = x_BTD.reshape(b * t, d).astype(self.dtype)
+            probs, weights, experts = route(self.router(x), self.top_k)
             routed = EXPERT_IMPLS[resolve_impl(self.impl)](x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo))
+            valid = ctx["valid"].reshape(-1)
         shared = self.shared_down_proj(jax.nn.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
         gate = jax.nn.sigmoid(self.shared_gate(x).astype(jnp.float32))
         y = remat.tag(routed + gate * shared.astype(jnp.float32), remat.MOE_OUT)
-        lb, counts = load_balancing_loss(probs, experts, ctx["valid"].reshape(-1))
+        lb, counts = load_balancing_loss(probs, experts, valid)
         return y.astype(x_BTD.dtype).reshape(b, t, d), {"lb_loss": lb, "expert_counts": counts}

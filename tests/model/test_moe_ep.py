@@ -120,10 +120,13 @@ def _run(problem, mesh_shape, dispatch, impl):
     return y, grads
 
 
-# (mesh, moe_impl); tokens are sharded over the expert axis in both (the real dispatch)
+# (mesh, moe_impl); tokens are sharded over the expert axis in the first two (the real dispatch)
 CASES = [
     (dict(data=2, fsdp=1, expert=4), "blocked"),  # B=8 over data*expert, 2 local experts
     (dict(fsdp=2, expert=2, tensor=2), "ragged"),  # + expert_mlp split over tensor (psum)
+    # agent_long's layout: no expert axis, rows over fsdp, sequences over context, the weights' embed
+    # dim over both (gathered inside the shard_map, gradients reduce-scattered back)
+    (dict(fsdp=4, context=2), "blocked"),
 ]
 
 

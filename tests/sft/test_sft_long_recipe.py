@@ -22,3 +22,22 @@ def test_agent_long_recipe():
     assert min(w["swe_agent"], w["tau_airline"]) > max(v for k, v in w.items() if k not in ("swe_agent", "tau_airline"))
     assert long.data.seq_len * long.data.batch_size == mix.data.seq_len * mix.data.batch_size
     assert long.data.batch_size % long.train.micro_batches == 0 and long.optimizer == mix.optimizer
+
+
+def test_agent_long_128k_recipe():
+    """configs/agent_long_128k.yaml: agent_long at 131072 tokens per row over 32 context shards of 4096
+    tokens, the same sources and optimizer, agent_mix's tokens per step; on v5p-256 (128 chips) the
+    free fsdp axis is 4, so each batch shard holds exactly one row (one 4096-token piece per chip, as
+    agent_long's v5p-128 plan)."""
+    long, big = load_sft_config(CONFIGS / "agent_long.yaml"), load_sft_config(CONFIGS / "agent_long_128k.yaml")
+    mix = load_sft_config(CONFIGS / "agent_mix.yaml")
+    m = model_config_from(big.model, None)
+    assert big.data.seq_len == 131072 and big.mesh.context == 32
+    shard = check_context_split(big.data.seq_len, big.mesh.context, m.block_sizes, m.gdn_chunk_size,
+                                m.linear_conv_kernel_dim, where="agent_long_128k")
+    assert shard == 4096
+    assert big.data.sources == long.data.sources and big.optimizer == long.optimizer and big.data.overlong == "drop"
+    assert big.data.seq_len * big.data.batch_size == mix.data.seq_len * mix.data.batch_size
+    sizes = big.mesh.axis_sizes(128)
+    assert sizes["fsdp"] == 4 and sizes["context"] == 32
+    assert big.data.batch_size // big.train.micro_batches == sizes["data"] * sizes["fsdp"] * sizes["expert"]

@@ -50,6 +50,28 @@ def test_chunked_ce_equals_full_logits_ce(chunk_tokens, groups):
     assert np.all(np.asarray(g_got[0])[~np.asarray(m)] == 0.0)
 
 
+# under a mesh every device sweeps its own tokens (rows over the batch axes, the sequence over
+# context) and the lm_head gradient is reduce-scattered; tokens replicated over tensor in the second
+@pytest.mark.parametrize("mesh_shape", [dict(data=2, fsdp=2, context=2), dict(fsdp=2, context=2, tensor=2)],
+                         ids=str)
+def test_chunked_ce_under_a_mesh_equals_full_logits_ce(mesh_shape):
+    from clover_jax.parallel import sharding as sh
+
+    h, w, tgt, coef, m = _inputs(2, b=4, t=24)
+    loss = lambda fn: jax.value_and_grad(lambda h, w: 2.0 * fn(h, w)[0], argnums=(0, 1))  # noqa: E731
+    want = weighted_ce_reference(h, w, tgt, coef, m)
+    want_l, want_g = loss(lambda h, w: weighted_ce_reference(h, w, tgt, coef, m))(h, w)
+    with sh.use_sharding(sh.make_mesh(sh.MeshConfig(**mesh_shape))):
+        got = jax.jit(lambda h, w: weighted_ce(h, w, tgt, coef, m, chunk_tokens=12))(h, w)
+        got_l, got_g = jax.jit(loss(lambda h, w: weighted_ce(h, w, tgt, coef, m, chunk_tokens=12)))(h, w)
+        hlo = jax.jit(loss(lambda h, w: weighted_ce(h, w, tgt, coef, m, chunk_tokens=12))).lower(h, w).as_text()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
+    for a, b, name in zip(got_g, want_g, ("dh", "dw")):
+        assert_rel_close(a, b, FP32_REL, name)
+    assert "reduce_scatter" in hlo  # the lm_head gradient leaves onto its shards
+
+
 def test_chunked_ce_under_jit_scaled_cotangent_and_empty_mask():
     h, w, tgt, coef, m = _inputs(1)
     f = jax.jit(jax.grad(lambda h, w: 3.0 * weighted_ce(h, w, tgt, coef, m, chunk_tokens=5)[0], argnums=(0, 1)))

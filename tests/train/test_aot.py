@@ -162,6 +162,47 @@ def test_compile_plans_the_recipe_sft_step_for_v5p_64_at_seq_8192():
     assert d["roofline"]["bound"] in ("compute", "HBM bandwidth", "interconnect") and 0 < d["roofline"]["mfu"] < 1
 
 
+def test_fsdp_context_step_reduce_scatters_gradients_and_never_gathers_whole_rows():
+    """agent_long's layout (no expert axis; weights' embed dim FSDP-sharded over fsdp x context; two
+    rows per batch shard: the complementary copy) at the smallest widths (the `tiny` preset, 2
+    layers, fsdp 2 x context 2 on v5p-8): the gradients of the expert weights (the MoE's shard_map)
+    and of the lm_head (the chunked CE's) leave as reduce-scatters onto the parameters' [E, D/4, I] /
+    [E, I, D/4] / [D/4, V] shards, never as an all-reduce of the whole weight (shard_map's transpose
+    psums the whole cotangent of an operand that enters replicated; the CE reduced dW across devices
+    per chunk: in the agent_long 32K plan ~0.39 TB + ~0.78 TB of all-reduce per chip per step); and
+    no [rows, 2T, D] hidden state is all-gathered over context (the MoE router flattened [B, 2T] to
+    [B*2T], no sharding XLA can hold with two rows per device: 0.73 TB/chip/step and 2 + 4 GiB
+    buffers per layer in the 128K plan). Oracle: the parameter shapes, the rule table's 4-way split
+    of the embed dim and the row shape, against the optimized HLO's collectives."""
+    import launch
+    from train import hlo_cost
+
+    recipe = ["model.preset=tiny", "model.num_hidden_layers=2", "model.layer_types=[linear_attention,full_attention]",
+              "data.seq_len=64", "data.batch_size=2", "train.micro_batches=1", "mesh.fsdp=2", "mesh.expert=1",
+              "mesh.context=2", "loss.chunk_tokens=128"]
+    (p,) = launch._sft_compile_plans("configs/agent_mix.yaml", recipe, ["v5p-8"])
+    assert p.compiled and p.mesh_shape == {"data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 1}
+    cfg = get_preset("tiny")
+    e, d, i, v = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.vocab_size
+    assert not cfg.tie_word_embeddings
+    full = {(e, d, i), (e, i, d), (d, v)}
+    shards = {(e, d // 4, i), (e, i, d // 4), (d // 4, v)}
+    comps, _ = hlo_cost.parse_module(p.executable.as_text())
+    all_reduced, scattered, rows_gathered = [], set(), []
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            dims = [tuple(x for j, x in enumerate(s.dims) if x != 1 or j >= len(s.dims) - 3) for s in ins.results]
+            if ins.opcode in ("all-reduce", "all-reduce-start") and not comp.startswith("all-reduce-scatter"):
+                all_reduced += [x for x in dims if x in full]
+            if ins.opcode in ("reduce-scatter", "reduce-scatter-start"):
+                scattered |= {x for x in dims if x in shards}
+            if ins.opcode in ("all-gather", "all-gather-start"):
+                rows_gathered += [x for x in dims if x[-2:] == (2 * 64, d)]  # both streams of a 64-token row
+    assert not all_reduced, f"gradients all-reduced whole: {all_reduced}"
+    assert scattered == shards, f"gradients reduce-scattered to {scattered}, want {shards}"
+    assert not rows_gathered, f"whole rows all-gathered over context: {rows_gathered}"
+
+
 def test_cli_reports_a_step_that_does_not_fit(capsys):
     """Dense full attention (the jnp reference: splash would fit) over 32k tokens x 4 rows per chip of
     a 16 GiB v5e chip: the planner says it does not fit, how much it needs, and what to try; the CLI
