@@ -314,7 +314,7 @@ def open_data(cfg: SFTConfig, mcfg: ModelConfig, tok_dir: Path | None) -> SFTDat
 def platform_scan_default(mcfg: ModelConfig, spec: ModelSpec, platform: str) -> ModelConfig:
     """The layer stack's loop for the devices the run trains on, unless the recipe sets
     `model.scan_layers`: unrolled on CPU (XLA CPU runs a scanned stack's fwd+bwd ~20% slower, and
-    the small models trained there compile fast either way: bench/forward.py --no-scan), scanned on
+    the small models trained there compile fast either way: bench/forward.py --scan both), scanned on
     TPU / GPU (a 40-layer unrolled program would take far longer to compile). The parameter layout is
     the same either way. `launch.py compile` (AOT for a pod) does not come through here: it scans."""
     if "scan_layers" in spec.overrides:
