@@ -134,8 +134,6 @@ def _ce_chunks_bwd(res, g_sums):
 _ce_chunks.defvjp(_ce_chunks_fwd, _ce_chunks_bwd)
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _sharded_ce(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, coef_BT: jax.Array, mask_BT: jax.Array,
@@ -150,6 +148,8 @@ def _sharded_ce(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, coef_B
     only, tokens gathered over `context`) every context shard ran the same chunks, and XLA reduced
     dW across devices inside the chunk loop: an all-reduce of [D, V] per chunk."""
     from jax.sharding import PartitionSpec as P
+
+    from clover_jax.parallel.sharding import spec_axes as _axes
 
     b, t, _ = h_BTD.shape
     mesh = ctx.mesh

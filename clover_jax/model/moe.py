@@ -210,10 +210,6 @@ DISPATCHES = ("ragged_a2a", "ring")
 # receives at most `ep * n * min(k, E_local)` rows (n = tokens per device). The exact per-chunk
 # sizes and offsets come from an all-gather of the per-(destination, expert) counts, so nothing is
 # computed on padding except the grouped matmul's buffer tail, which `grouped_ffn` zeroes.
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
@@ -298,7 +294,7 @@ def _embed_axes(ctx: sharding.ShardingContext, logical: tuple[str, ...], shape: 
     """Mesh axes the rule table splits an expert weight's `embed` dim over (FSDP), minus axes the
     experts / expert_mlp dims already use inside the MoE's shard_map."""
     spec = ctx.spec(logical, shape, what="MoE expert weight")
-    return tuple(a for a in _axes_of(spec[logical.index("embed")]) if a not in taken)
+    return tuple(a for a in sharding.spec_axes(spec[logical.index("embed")]) if a not in taken)
 
 
 def experts_parallel(x_BTD, weights_BTK, experts_BTK, wi_gate_EDI, wi_up_EDI, wo_EID, *,
@@ -318,9 +314,9 @@ def experts_parallel(x_BTD, weights_BTK, experts_BTK, wi_gate_EDI, wi_up_EDI, wo
     b, t, d = x_BTD.shape
     e, _, i = wi_gate_EDI.shape
     tok = ctx.spec(("batch", "length"), (b, t), what="MoE tokens")
-    tok_axes = set(_axes_of(tok[0])) | set(_axes_of(tok[1]))
-    ep_axes = _axes_of(ctx.spec(("experts",), (e,), what="MoE experts")[0])
-    mlp_axes = tuple(a for a in _axes_of(ctx.spec(("expert_mlp",), (i,), what="MoE expert_mlp")[0])
+    tok_axes = set(sharding.spec_axes(tok[0])) | set(sharding.spec_axes(tok[1]))
+    ep_axes = sharding.spec_axes(ctx.spec(("experts",), (e,), what="MoE experts")[0])
+    mlp_axes = tuple(a for a in sharding.spec_axes(ctx.spec(("expert_mlp",), (i,), what="MoE expert_mlp")[0])
                      if a not in tok_axes and a not in ep_axes)
     ep = 1
     for a in ep_axes:

@@ -108,6 +108,13 @@ class MeshConfig:
         return sizes
 
 
+def spec_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis name or a tuple of names), as a tuple."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def make_mesh(cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
     """A `Mesh` over `devices` (default: all) with axes `MESH_AXES`.
 
@@ -363,6 +370,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 
 
 __all__ = [
+    "spec_axes",
     "DEFAULT_RULES", "MESH_AXES", "MeshConfig", "Rules", "ShardingContext", "abstract_params",
     "batch_sharding", "constrain", "current", "logical_to_spec", "make_mesh", "named_sharding",
     "opt_state_shardings", "param_shardings", "param_specs", "put", "rules_dict", "shard_params",
