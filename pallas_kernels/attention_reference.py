@@ -57,7 +57,7 @@ def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask_BTS: ja
     A query with no visible key (never the case for real tokens: each sees itself) gets zeros.
     Returns [B, T, H, D] in the dtype of v. The G query heads of a KV head are folded into the query
     rows ([B, K, G*T, D] against [B, K, S, D]): two batch dims per product instead of three, which
-    XLA:CPU runs ~1.6x faster forward and backward (issue 19, bench/forward.py --breakdown).
+    XLA:CPU runs faster (issue 19: the core alone at 4 x 512, 8 / 2 heads, fwd+bwd 1.5-1.6x).
     """
     b, t, h, d = q_BTHD.shape
     s, kv = k_BSKD.shape[1], k_BSKD.shape[2]
