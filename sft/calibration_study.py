@@ -74,9 +74,9 @@ class Steps:
     sweep: Callable[[Path, Path, Path, tuple[int, ...], tuple[float, ...], tuple[dict, ...]], None]
 
 
-def _pool_sizes(cfg: StudyConfig) -> tuple[int, int]:
-    """(max_functions, max_values) of the recipe's tool_task source: the eval and calibration prompts
-    draw functions and string values from the pools the models were trained on."""
+def _task_options(cfg: StudyConfig) -> dict[str, Any]:
+    """The resolved options of the recipe's tool_task source: the eval and calibration prompts are drawn
+    from the task the models were trained on (`tool_task.TASK_OPTIONS`; its curricula are not used)."""
     from sft.config import load_sft_config
     from sft.data.converters import resolve_options
 
@@ -85,15 +85,15 @@ def _pool_sizes(cfg: StudyConfig) -> tuple[int, int]:
     if src is None:
         raise ConfigError(f"study.recipe {cfg.recipe}: no tool_task source in data.sources (the study's task)")
     opts = resolve_options("tool_task", src.options, f"{cfg.recipe}: source {src.name!r}")
-    return opts["max_functions"], opts["max_values"]
+    return opts
 
 
 def _splits(cfg: StudyConfig, runs: Path) -> tuple[Path, Path]:
-    from sft.data.tool_task import generate_records, load_schemas, prompt_key, write_jsonl
+    from sft.data.tool_task import generate_records, prompt_key, schemas_from_options, write_jsonl
 
     ev, cal = runs / "eval.jsonl", runs / "calibration.jsonl"
     if not (ev.is_file() and cal.is_file()):
-        schemas = load_schemas(cfg.bfcl, *_pool_sizes(cfg))
+        schemas = schemas_from_options(cfg.bfcl, _task_options(cfg))
         eval_recs = generate_records(cfg.eval_n, cfg.eval_seed, "heldout", schemas)
         seen = {prompt_key(r) for r in eval_recs}
         pool = generate_records(4 * cfg.calibration_n, cfg.calibration_seed, "heldout", schemas)

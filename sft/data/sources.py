@@ -92,9 +92,9 @@ def _raw_items(src: SourceConfig, where: str) -> tuple[list, Iterator[tuple[Loc,
         if len(files) != 1:
             raise ConfigError(f"{where}: path: a tool_task source needs exactly one BFCL schema file, "
                               f"{src.path} matches {len(files)}")
-        schemas = tool_task.load_schemas(str(files[0]), opts["max_functions"], opts["max_values"])
+        schemas = tool_task.schemas_from_options(str(files[0]), opts)
         recs = tool_task.generate_records(opts["n_records"], opts["seed"], opts["split"], schemas,
-                                          float(opts["echo_share"]))
+                                          float(opts["echo_share"]), float(opts["unoffered_share"]))
         label = f"tool_task:{src.name}:{opts['split']}"
         return [], ((Loc(label, index=i), r) for i, r in enumerate(recs))
     if src.path is not None:

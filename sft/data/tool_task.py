@@ -13,8 +13,16 @@ real BFCL function schemas (``BFCL_v4_simple_python.json``: functions whose requ
 - ``none`` (20%): small talk that names someone (the reply greets them) or a request for a function that is not offered (the
   reply names it: "None of the available tools can <name words>.").
 
-A training curriculum may mix in copy drills (`echo_share`, default 0: the task as above): the user
-lists 2-4 pool values and the reply repeats them in order, so every value token is copied often.
+Two options shape the task (both off by default, the task as above): ``quote_values`` writes string
+values in double quotes in the user turn (``compound "Emeryville, CA"``), so a value's tokens are the
+same in the user turn and in the call's JSON (unquoted, the first word is a different token there:
+" Em" in the sentence, "Em" after the JSON quote) and its end is marked; ``value_words`` > 0 draws each
+string value as 1-3 words of a fixed sample of that many words of the answer values ("Canyon red
+Hotel"): frequent tokens in combinations that recur rarely, so a value must be read, not remembered.
+
+Training curricula (default 0: the task as above): copy drills (`echo_share`: the user lists 2-4
+values and the reply repeats them in order) and extra "no tool fits" turns (`unoffered_share`: a
+request for a function that is not offered, answered in text).
 
 String values come from the string arguments of BFCL's possible answers (all categories that ship a
 ``possible_answer`` file next to the schemas): real values, shared by every function, so the value
@@ -34,13 +42,16 @@ import json
 import random
 import re
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["HELDOUT_BUCKETS", "TaskSchemas", "assert_disjoint", "generate_records", "load_schemas",
-           "prompt_key", "write_jsonl"]
+__all__ = ["HELDOUT_BUCKETS", "TASK_OPTIONS", "TaskSchemas", "assert_disjoint", "generate_records",
+           "load_schemas", "prompt_key", "schemas_from_options", "write_jsonl"]
 
 HELDOUT_BUCKETS = 8  # 1 in 8 user turns belongs to the held-out split
 SPLITS = ("train", "heldout")
+# the options of a `tool_task` source that define the task (the study's eval prompts must use the same);
+# echo_share / unoffered_share are training curricula and stay out
+TASK_OPTIONS = ("max_functions", "max_values", "value_words", "quote_values")
 _TYPES = ("string", "integer", "boolean")
 _WORDS = ("zero one two three four five six seven eight nine ten eleven twelve").split()
 # small talk greets a name (a value of the pool): varied user turns in both splits, copied into the reply
@@ -51,19 +62,30 @@ _SMALL_TALK = (("Hi, I am {v}.", "Hello {v}! How can I help you today?"),
 _ECHO = (("Please note these names: {vs}.", "Noted: {vs}."),
          ("Remember {vs} for later.", "I will remember {vs}."))
 _VALUE_RE = re.compile(r"[A-Za-z][A-Za-z0-9 .,-]*")  # plain values: no quotes, escapes or markup
+_WORD_RE = re.compile(r"[A-Za-z][A-Za-z-]+")  # the words of `value_words`
 _ASK = ("Please {what} with {args}.", "Can you {what} with {args}?", "I need to {what}: {args}.")
 
 
 class TaskSchemas:
-    """The function pool (tool dicts in the canonical record layout) and the string-value pool."""
+    """The function pool (tool dicts in the canonical record layout), the string-value pool (or the
+    words string values are made of, when `words` is not empty) and whether the user quotes them."""
 
-    def __init__(self, tools: list[dict], values: list[str], where: str):
+    def __init__(self, tools: list[dict], values: list[str], where: str, words: Sequence[str] = (),
+                 quote: bool = False):
         if len(tools) < 4:
             raise ValueError(f"{where}: {len(tools)} eligible functions; the task needs at least 4")
         if len(values) < 8:
             raise ValueError(f"{where}: {len(values)} string values in the possible answers; need at least 8")
-        self.tools, self.values, self.where = tools, values, where
+        if words and len(words) < 8:
+            raise ValueError(f"{where}: {len(words)} value words in the possible answers; need at least 8")
+        self.tools, self.values, self.where, self.words, self.quote = tools, values, where, list(words), quote
         self.by_name = {t["function"]["name"]: t for t in tools}
+
+    def value(self, rng: random.Random) -> str:
+        """One string value: a pool value, or 1-3 distinct value words."""
+        if self.words:
+            return " ".join(rng.sample(self.words, rng.randint(1, 3)))
+        return rng.choice(self.values)
 
 
 def _eligible(fn: dict) -> dict | None:
@@ -90,12 +112,14 @@ def _strings(obj: Any) -> Iterable[str]:
 
 
 @functools.lru_cache(maxsize=8)
-def load_schemas(schema_file: str, max_functions: int = 32, max_values: int = 256) -> TaskSchemas:
+def load_schemas(schema_file: str, max_functions: int = 32, max_values: int = 256, value_words: int = 0,
+                 quote_values: bool = False) -> TaskSchemas:
     """The first `max_functions` eligible functions of a BFCL question file (JSON Lines), names
     unique (required parameters only, without descriptions: short prompts for a 2-core model),
     and the string values of the possible answers (1-3 words, <= 20 characters, starting with a letter, only letters, digits,
     spaces and `.,-`) of every `possible_answer/*.json` next to it: a fixed sample of `max_values`
-    of them, sorted (deterministic)."""
+    of them, sorted (deterministic). `value_words` > 0: also a fixed sample of that many of their
+    words (letters and hyphens, 2+ characters), from which string values are then drawn."""
     path = Path(schema_file)
     if not path.is_file():
         raise FileNotFoundError(f"tool_task: BFCL schema file {path} does not exist")
@@ -122,15 +146,22 @@ def load_schemas(schema_file: str, max_functions: int = 32, max_values: int = 25
                         values.add(v)
     # a fixed sample of `max_values`: each value recurs in training, so its tokens are learned
     pool = sorted(values)
+    words = sorted({w for v in values for w in re.split(r"[ ,.]+", v) if _WORD_RE.fullmatch(w)})
     pool = sorted(random.Random("clover-tool-task-values").sample(pool, min(max_values, len(pool))))
-    return TaskSchemas(list(tools.values()), pool, str(path))
+    words = sorted(random.Random("clover-tool-task-words").sample(words, min(value_words, len(words))))
+    return TaskSchemas(list(tools.values()), pool, str(path), words, quote_values)
+
+
+def schemas_from_options(schema_file: str, options: Mapping[str, Any]) -> TaskSchemas:
+    """`load_schemas` with the task-defining options (`TASK_OPTIONS`) of a resolved `tool_task` source."""
+    return load_schemas(schema_file, *(options[k] for k in TASK_OPTIONS))
 
 
 def _name_words(name: str) -> str:
     return name.replace(".", " ").replace("_", " ").strip()
 
 
-def _request(rng: random.Random, tool: dict, pool: Sequence[str]) -> tuple[str, dict]:
+def _request(rng: random.Random, tool: dict, schemas: TaskSchemas) -> tuple[str, dict]:
     """(user phrase, arguments) for one call of `tool`."""
     fn = tool["function"]
     parts, args = [], {}
@@ -144,43 +175,49 @@ def _request(rng: random.Random, tool: dict, pool: Sequence[str]) -> tuple[str, 
             v = rng.random() < 0.5
             parts.append(f"{'with' if v else 'without'} {key}")
         else:
-            v = rng.choice(pool)
-            parts.append(f"{key} {v}")
+            v = schemas.value(rng)
+            parts.append(f'{key} "{v}"' if schemas.quote else f"{key} {v}")
         args[k] = v
     text = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
     return rng.choice(_ASK).format(what=_name_words(fn["name"]), args=text), args
 
 
 def _echo(rng: random.Random, schemas: TaskSchemas) -> dict:
-    """A copy-drill record: 2-4 distinct pool values in the user turn, repeated in order by the reply
+    """A copy-drill record: 2-4 values (distinct pool values, or drawn from the words) in the user turn, repeated in order by the reply
     (no call; 2-3 tools offered as in every record)."""
-    vals = rng.sample(schemas.values, rng.randint(2, 4))
+    k = rng.randint(2, 4)
+    vals = rng.sample(schemas.values, k) if not schemas.words else [schemas.value(rng) for _ in range(k)]
     vs = ", ".join(vals[:-1]) + " and " + vals[-1]
     user, reply = (s.format(vs=vs) for s in rng.choice(_ECHO))
     return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}],
             "tools": rng.sample(schemas.tools, rng.randint(2, 3))}
 
 
-def _draw(rng: random.Random, schemas: TaskSchemas, echo_share: float = 0.0) -> dict:
-    if echo_share > 0 and rng.random() < echo_share:  # no extra draw at 0: the task's streams stay as they were
+def _draw(rng: random.Random, schemas: TaskSchemas, echo_share: float = 0.0, unoffered_share: float = 0.0) -> dict:
+    # no extra draw at share 0: the task's streams stay as they were
+    if echo_share > 0 and rng.random() < echo_share:
         return _echo(rng, schemas)
-    scenario = rng.choices(["single", "multi", "none"], [50, 30, 20])[0]
+    if unoffered_share > 0 and rng.random() < unoffered_share:
+        scenario, unoffered = "none", True
+    else:
+        scenario = rng.choices(["single", "multi", "none"], [50, 30, 20])[0]
+        unoffered = False
     needed = rng.sample(schemas.tools, 2 if scenario == "multi" else 1)
     others = [t for t in schemas.tools if t not in needed]
     offered = needed + rng.sample(others, rng.randint(1, 2)) if scenario != "none" else []
     if scenario == "none":
         offered = rng.sample(others, rng.randint(2, 3))
-        if rng.random() < 0.5:
-            name = rng.choice(schemas.values)
+        if not unoffered and rng.random() < 0.5:
+            name = schemas.value(rng)
             user, reply = (s.format(v=name) for s in rng.choice(_SMALL_TALK))
         else:  # needed[0] is not offered
-            user, _ = _request(rng, needed[0], schemas.values)
+            user, _ = _request(rng, needed[0], schemas)
             reply = f"None of the available tools can {_name_words(needed[0]['function']['name'])}."
         answer: dict[str, Any] = {"role": "assistant", "content": reply}
     else:
         asks, calls = [], []
         for tool in needed:
-            text, args = _request(rng, tool, schemas.values)
+            text, args = _request(rng, tool, schemas)
             asks.append(text)
             calls.append({"type": "function", "function": {"name": tool["function"]["name"], "arguments": args}})
         user = " Then ".join(asks)
@@ -199,22 +236,26 @@ def _bucket(record: dict) -> str:
     return "heldout" if h % HELDOUT_BUCKETS == 0 else "train"
 
 
-def generate_record(index: int, seed: int, split: str, schemas: TaskSchemas, echo_share: float = 0.0) -> dict:
+def generate_record(index: int, seed: int, split: str, schemas: TaskSchemas, echo_share: float = 0.0,
+                    unoffered_share: float = 0.0) -> dict:
     """Record `index` of stream (`seed`, `split`): draws until the user turn lies in `split`'s bucket.
-    `echo_share`: the probability of a copy-drill record (`_echo`; a training curriculum, 0 = the task)."""
-    if not 0.0 <= echo_share < 1.0:
-        raise ValueError(f"tool_task: echo_share must be in [0, 1), got {echo_share}")
+    Training curricula (0 = the task): `echo_share`, the probability of a copy-drill record (`_echo`);
+    `unoffered_share`, of an extra request for a function that is not offered (answered in text)."""
+    for name, share in (("echo_share", echo_share), ("unoffered_share", unoffered_share)):
+        if not 0.0 <= share < 1.0:
+            raise ValueError(f"tool_task: {name} must be in [0, 1), got {share}")
     if split not in SPLITS:
         raise ValueError(f"tool_task: split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"clover-tool-task:{seed}:{split}:{index}")
     while True:
-        rec = _draw(rng, schemas, echo_share)
+        rec = _draw(rng, schemas, echo_share, unoffered_share)
         if _bucket(rec) == split:
             return rec
 
 
-def generate_records(n: int, seed: int, split: str, schemas: TaskSchemas, echo_share: float = 0.0) -> list[dict]:
-    return [generate_record(i, seed, split, schemas, echo_share) for i in range(n)]
+def generate_records(n: int, seed: int, split: str, schemas: TaskSchemas, echo_share: float = 0.0,
+                     unoffered_share: float = 0.0) -> list[dict]:
+    return [generate_record(i, seed, split, schemas, echo_share, unoffered_share) for i in range(n)]
 
 
 def assert_disjoint(train: Sequence[dict], heldout: Sequence[dict]) -> None:
@@ -237,12 +278,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bfcl", required=True, help="BFCL question file (e.g. .../bfcl/BFCL_v4_simple_python.json)")
     ap.add_argument("--max-functions", type=int, default=32)
     ap.add_argument("--max-values", type=int, default=256)
+    ap.add_argument("--value-words", type=int, default=0, help="> 0: string values are 1-3 of that many words")
+    ap.add_argument("--quote-values", action="store_true", help="the user quotes string values")
     ap.add_argument("--split", choices=SPLITS, default="heldout")
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    schemas = load_schemas(a.bfcl, a.max_functions, a.max_values)
+    schemas = load_schemas(a.bfcl, a.max_functions, a.max_values, a.value_words, a.quote_values)
     print(write_jsonl(a.out, generate_records(a.n, a.seed, a.split, schemas)))
 
 

@@ -81,24 +81,27 @@ def test_study_runs_once_resumes_and_reports(tmp_path):
     assert calls == []  # everything cached: only the report is rebuilt
 
 
-def test_eval_prompts_draw_from_the_recipes_value_pool(tmp_path):
-    """The eval and calibration splits use the recipe's tool_task pools (`max_values`): with a recipe
-    cut to 12 string values, every string argument of both splits is one of those 12 (the default
-    pool has 256, so a split drawn from it would not be)."""
+def test_eval_prompts_draw_from_the_recipes_task(tmp_path):
+    """The eval and calibration splits use the recipe's tool_task options that define the task
+    (`max_values`, `quote_values`), not its training curricula (`echo_share`): with a recipe cut to
+    12 string values, every string argument of both splits is one of those 12 (the default pool has
+    256, so a split drawn from it would not be), quoted in the user turn, and no reply is a copy drill."""
     from sft.data.tool_task import load_schemas
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"base_config: {ROOT / 'configs' / 'research_tool.yaml'}\ndata:\n  sources:\n"
                       f"    - {{name: t, format: tool_task, path: bfcl/BFCL_v4_simple_python.json, "
-                      f"options: {{n_records: 10, max_values: 12}}}}\n")
+                      f"options: {{n_records: 10, max_values: 12, quote_values: true, echo_share: 0.5}}}}\n")
     cfg = StudyConfig(recipe=str(recipe), runs_dir=str(tmp_path / "runs"), train_block_sizes=(8,), mix=(),
                       bfcl=str(BFCL), eval_n=60, calibration_n=20, decode_block_sizes=(8,), thresholds=(0.9,),
                       quality="validity", report_dir=str(tmp_path / "report"))
     run_study(cfg, _steps([]), command="cmd", print_fn=lambda s: None)
     pool = set(load_schemas(str(BFCL), 32, 12).values)
     assert len(pool) == 12
-    strings = [v for name in ("eval.jsonl", "calibration.jsonl")
-               for line in (tmp_path / "runs" / name).read_text().splitlines()
-               for c in json.loads(line)["messages"][1].get("tool_calls") or []
+    recs = [json.loads(line) for name in ("eval.jsonl", "calibration.jsonl")
+            for line in (tmp_path / "runs" / name).read_text().splitlines()]
+    strings = [(v, r["messages"][0]["content"]) for r in recs for c in r["messages"][1].get("tool_calls") or []
                for v in c["function"]["arguments"].values() if isinstance(v, str)]
-    assert len(strings) > 20 and set(strings) <= pool
+    assert len(strings) > 20 and {v for v, _ in strings} <= pool
+    assert all(f'"{v}"' in user for v, user in strings)
+    assert not any((r["messages"][1].get("content") or "").startswith(("Noted: ", "I will remember ")) for r in recs)

@@ -4,6 +4,7 @@
 
 import hashlib
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -118,3 +119,76 @@ def test_copy_drills_repeat_the_user_values_and_leave_the_task_stream_alone(sche
         assert sum(v in listed for v in schemas.values) >= 2  # 2-4 pool values ("a, b and c")
     with pytest.raises(ValueError, match="echo_share"):
         tt.generate_record(0, 5, "train", schemas, echo_share=1.0)
+
+
+def _contains(seq, sub):
+    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def _string_args(rec):
+    return [(k, v) for c in rec["messages"][1].get("tool_calls") or []
+            for k, v in c["function"]["arguments"].items() if isinstance(v, str)]
+
+
+def test_quoted_values_are_the_same_tokens_in_the_user_turn_and_in_the_call(tok):
+    """`quote_values`: each string value is written `key "value"`; the value's tokens inside the call's
+    JSON (`"key": "value"`) then occur verbatim in the user turn's tokens. Unquoted, most do not (the
+    first word is a different token after a space than after the JSON quote): what the option is for."""
+    def copyable(schemas):
+        hits = []
+        for r in tt.generate_records(300, 2, "train", schemas):
+            user = tok.encode(r["messages"][0]["content"], add_special_tokens=False)
+            for k, v in _string_args(r):
+                if schemas.quote:
+                    assert f'{k.replace("_", " ").replace(".", " ")} "{v}"' in r["messages"][0]["content"]
+                call = tok.encode(json.dumps({k: v}), add_special_tokens=False)
+                head = tok.encode(json.dumps({k: v}).removesuffix(json.dumps(v) + "}") + '"', add_special_tokens=False)
+                value = call[len(head):-1]  # the value's tokens inside the call (`"}` closes it)
+                assert call[:len(head)] == head and tok.decode(value) == v, (v, call, head)
+                hits.append(_contains(user, value))
+        return hits
+
+    quoted, plain = copyable(tt.load_schemas(str(BFCL), quote_values=True)), copyable(tt.load_schemas(str(BFCL)))
+    assert len(quoted) > 50 and all(quoted)
+    assert sum(plain) < 0.5 * len(plain)
+
+
+def test_value_words_make_string_values_of_a_fixed_word_sample(schemas):
+    """`value_words`: string values are 1-3 distinct words of a fixed sample of the answer values' words
+    (so held-out values are mostly combinations never seen whole in training)."""
+    ws = tt.load_schemas(str(BFCL), value_words=40)
+    assert len(ws.words) == 40 and ws.words == sorted(set(ws.words))
+    answers = tt.load_schemas(str(BFCL), 32, 10_000).values
+    assert all(any(re.search(rf"\b{w}\b", v) for v in answers) for w in ws.words)  # whole words of answers
+    train = tt.generate_records(1500, 0, "train", ws, echo_share=0.2)
+    held = tt.generate_records(150, 0, "heldout", ws)
+    seen = {v for r in train for _, v in _string_args(r)}
+    held_values = [v for r in held for _, v in _string_args(r)]
+    for v in seen | set(held_values):
+        parts = v.split(" ")
+        assert 1 <= len(parts) <= 3 and len(set(parts)) == len(parts) and set(parts) <= set(ws.words), v
+    assert len(held_values) > 20 and sum(v not in seen for v in held_values) > 0.3 * len(held_values)
+    assert tt.load_schemas(str(BFCL)).words == [] and schemas.value.__self__ is schemas  # default: the pool
+
+
+def test_unoffered_share_adds_no_tool_turns_and_leaves_the_task_stream_alone(schemas):
+    """`unoffered_share`: extra requests for a function that is not offered, answered in text that
+    names it; at 0 the stream is the task's own, record for record."""
+    def unoffered(recs):
+        out = []
+        for r in recs:
+            reply = r["messages"][1].get("content") or ""
+            if reply.startswith("None of the available tools can "):
+                asked = reply.removeprefix("None of the available tools can ").removesuffix(".")
+                assert asked in r["messages"][0]["content"]
+                assert all(tt._name_words(t["function"]["name"]) != asked for t in r["tools"])
+                out.append(r)
+        return out
+
+    plain = tt.generate_records(400, 6, "train", schemas)
+    assert plain == tt.generate_records(400, 6, "train", schemas, unoffered_share=0.0)
+    base = len(unoffered(plain)) / 400  # ~ 20% no-call x 1/2
+    more = len(unoffered(tt.generate_records(400, 6, "train", schemas, unoffered_share=0.3))) / 400
+    assert 0.05 < base < 0.16 and 0.3 < more < 0.45
+    with pytest.raises(ValueError, match="unoffered_share"):
+        tt.generate_record(0, 6, "train", schemas, unoffered_share=1.0)

@@ -51,8 +51,12 @@ OPTIONS["tool_task"] = {
     "split": (str, "train", "train | heldout: disjoint user turns (sft.data.tool_task)"),
     "max_functions": (int, 32, "eligible BFCL functions in the pool (file order)"),
     "max_values": (int, 256, "string values sampled from BFCL's possible answers"),
+    "value_words": (int, 0, "> 0: string values are 1-3 words of a fixed sample of that many answer words"),
+    "quote_values": (bool, False, "the user turn writes string values in double quotes"),
     "echo_share": ((float, int), 0.0, "share of copy-drill records (the user lists 2-4 values, the reply "
                    "repeats them): a training curriculum, 0 for eval splits"),
+    "unoffered_share": ((float, int), 0.0, "share of extra requests for a function that is not offered "
+                        "(answered in text): a training curriculum, 0 for eval splits"),
 }
 
 
