@@ -61,7 +61,9 @@ def test_model_and_export_use_the_subset(trained):
     base = load_tokenizer(None)
     mcfg, model, tok = load_checkpoint(res.export_dir)
     assert mcfg.vocab_size == math.ceil((len(subset) + 1) / 8) * 8 < 4096
-    assert model.lm_head.kernel[...].shape[-1] == mcfg.vocab_size
+    # the output rows: the tied embedding (the recipe ties them) or an lm_head
+    head = model.embed.embedding[...].T if mcfg.tie_word_embeddings else model.lm_head.kernel[...]
+    assert head.shape[-1] == mcfg.vocab_size and model.embed.embedding[...].shape[0] == mcfg.vocab_size
     assert mcfg.mask_token_id == len(subset) and tok.convert_tokens_to_ids("<|mask|>") == len(subset)
     eos = mcfg.eos_token_id[0] if isinstance(mcfg.eos_token_id, tuple) else mcfg.eos_token_id
     assert tok.convert_ids_to_tokens(eos) == "<|im_end|>" and tok.convert_ids_to_tokens(mcfg.pad_token_id) == "<|endoftext|>"
