@@ -4,6 +4,7 @@
 
 import hashlib
 import json
+import random
 import re
 from collections import Counter
 from pathlib import Path
@@ -168,7 +169,8 @@ def test_value_words_make_string_values_of_a_fixed_word_sample(schemas):
         parts = v.split(" ")
         assert 1 <= len(parts) <= 3 and len(set(parts)) == len(parts) and set(parts) <= set(ws.words), v
     assert len(held_values) > 20 and sum(v not in seen for v in held_values) > 0.3 * len(held_values)
-    assert tt.load_schemas(str(BFCL)).words == [] and schemas.value.__self__ is schemas  # default: the pool
+    rng = random.Random(0)  # default (value_words 0): whole pool values
+    assert schemas.words == [] and all(schemas.value(rng) in schemas.values for _ in range(50))
 
 
 def test_unoffered_share_adds_no_tool_turns_and_leaves_the_task_stream_alone(schemas):
