@@ -120,6 +120,8 @@ def load_schemas(schema_file: str, max_functions: int = 32, max_values: int = 25
     spaces and `.,-`) of every `possible_answer/*.json` next to it: a fixed sample of `max_values`
     of them, sorted (deterministic). `value_words` > 0: also a fixed sample of that many of their
     words (letters and hyphens, 2+ characters), from which string values are then drawn."""
+    if value_words < 0:
+        raise ValueError(f"tool_task: value_words must be >= 0 (0 = whole pool values), got {value_words}")
     path = Path(schema_file)
     if not path.is_file():
         raise FileNotFoundError(f"tool_task: BFCL schema file {path} does not exist")
@@ -183,8 +185,8 @@ def _request(rng: random.Random, tool: dict, schemas: TaskSchemas) -> tuple[str,
 
 
 def _echo(rng: random.Random, schemas: TaskSchemas) -> dict:
-    """A copy-drill record: 2-4 values (distinct pool values, or drawn from the words) in the user turn, repeated in order by the reply
-    (no call; 2-3 tools offered as in every record)."""
+    """A copy-drill record: 2-4 values (distinct pool values, or drawn from the words) in the user turn,
+    repeated in order by the reply (no call; 2-3 tools offered as in every record)."""
     k = rng.randint(2, 4)
     vals = rng.sample(schemas.values, k) if not schemas.words else [schemas.value(rng) for _ in range(k)]
     vs = ", ".join(vals[:-1]) + " and " + vals[-1]
@@ -197,11 +199,8 @@ def _draw(rng: random.Random, schemas: TaskSchemas, echo_share: float = 0.0, uno
     # no extra draw at share 0: the task's streams stay as they were
     if echo_share > 0 and rng.random() < echo_share:
         return _echo(rng, schemas)
-    if unoffered_share > 0 and rng.random() < unoffered_share:
-        scenario, unoffered = "none", True
-    else:
-        scenario = rng.choices(["single", "multi", "none"], [50, 30, 20])[0]
-        unoffered = False
+    unoffered = unoffered_share > 0 and rng.random() < unoffered_share
+    scenario = "none" if unoffered else rng.choices(["single", "multi", "none"], [50, 30, 20])[0]
     needed = rng.sample(schemas.tools, 2 if scenario == "multi" else 1)
     others = [t for t in schemas.tools if t not in needed]
     offered = needed + rng.sample(others, rng.randint(1, 2)) if scenario != "none" else []

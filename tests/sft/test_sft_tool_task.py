@@ -101,6 +101,10 @@ def test_tool_task_source_format(tmp_path):
         SourceConfig(name="task", format="tool_task", options={"n_records": 5})
     with pytest.raises(ConfigError, match="options.split: expected train or heldout"):
         SourceConfig(name="task", format="tool_task", path=str(BFCL), options={"split": "eval"})
+    with pytest.raises(ConfigError, match="options.value_words: must be >= 0"):
+        SourceConfig(name="task", format="tool_task", path=str(BFCL), options={"value_words": -1})
+    with pytest.raises(ValueError, match="value_words must be >= 0"):
+        tt.load_schemas(str(BFCL), value_words=-1)
     with pytest.raises(ConfigError, match="file not found"):
         load_source(SourceConfig(name="task", format="tool_task", path=str(tmp_path / "no.json")), cfg)
 

@@ -90,6 +90,9 @@ def check_options(fmt: str, options: Mapping[str, Any], where: str) -> None:
             raise ConfigError(f"{where}: options.n_records: must be >= 1, got {n}")
         if fmt == "tool_task" and opts["split"] not in ("train", "heldout"):
             raise ConfigError(f"{where}: options.split: expected train or heldout, got {opts['split']!r}")
+        if fmt == "tool_task" and opts["value_words"] < 0:
+            raise ConfigError(f"{where}: options.value_words: must be >= 0 (0 = whole pool values), "
+                              f"got {opts['value_words']}")
 
 
 def make_converter(fmt: str, options: Mapping[str, Any], files: Sequence[Path],
