@@ -21,8 +21,9 @@ string value as 1-3 words of a fixed sample of that many words of the answer val
 Hotel"): frequent tokens in combinations that recur rarely, so a value must be read, not remembered.
 
 Training curricula (default 0: the task as above): copy drills (`echo_share`: the user lists 2-4
-values and the reply repeats them in order) and extra "no tool fits" turns (`unoffered_share`: a
-request for a function that is not offered, answered in text).
+values and the reply repeats them in order; `echo_numbers`: the share of those values that are
+integers) and extra "no tool fits" turns (`unoffered_share`: a request for a function that is not
+offered, answered in text).
 
 String values come from the string arguments of BFCL's possible answers (all categories that ship a
 ``possible_answer`` file next to the schemas): real values, shared by every function, so the value
@@ -184,21 +185,28 @@ def _request(rng: random.Random, tool: dict, schemas: TaskSchemas) -> tuple[str,
     return rng.choice(_ASK).format(what=_name_words(fn["name"]), args=text), args
 
 
-def _echo(rng: random.Random, schemas: TaskSchemas) -> dict:
-    """A copy-drill record: 2-4 values (distinct pool values, or drawn from the words) in the user turn,
-    repeated in order by the reply (no call; 2-3 tools offered as in every record)."""
+def _echo(rng: random.Random, schemas: TaskSchemas, numbers: float = 0.0) -> dict:
+    """A copy-drill record: 2-4 values (distinct pool values, or drawn from the words; with probability
+    `numbers` each is a 2-3 digit integer instead) in the user turn, repeated in order by the reply (no
+    call; 2-3 tools offered as in every record)."""
     k = rng.randint(2, 4)
-    vals = rng.sample(schemas.values, k) if not schemas.words else [schemas.value(rng) for _ in range(k)]
+    if numbers > 0:  # digits repeat inside a prompt: copying them needs position, not only identity
+        vals = [str(rng.randint(13, 999)) if rng.random() < numbers else schemas.value(rng) for _ in range(k)]
+    elif schemas.words:
+        vals = [schemas.value(rng) for _ in range(k)]
+    else:
+        vals = rng.sample(schemas.values, k)
     vs = ", ".join(vals[:-1]) + " and " + vals[-1]
     user, reply = (s.format(vs=vs) for s in rng.choice(_ECHO))
     return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}],
             "tools": rng.sample(schemas.tools, rng.randint(2, 3))}
 
 
-def _draw(rng: random.Random, schemas: TaskSchemas, echo_share: float = 0.0, unoffered_share: float = 0.0) -> dict:
+def _draw(rng: random.Random, schemas: TaskSchemas, echo_share: float = 0.0, unoffered_share: float = 0.0,
+          echo_numbers: float = 0.0) -> dict:
     # no extra draw at share 0: the task's streams stay as they were
     if echo_share > 0 and rng.random() < echo_share:
-        return _echo(rng, schemas)
+        return _echo(rng, schemas, echo_numbers)
     unoffered = unoffered_share > 0 and rng.random() < unoffered_share
     scenario = "none" if unoffered else rng.choices(["single", "multi", "none"], [50, 30, 20])[0]
     needed = rng.sample(schemas.tools, 2 if scenario == "multi" else 1)
@@ -236,25 +244,28 @@ def _bucket(record: dict) -> str:
 
 
 def generate_record(index: int, seed: int, split: str, schemas: TaskSchemas, echo_share: float = 0.0,
-                    unoffered_share: float = 0.0) -> dict:
+                    unoffered_share: float = 0.0, echo_numbers: float = 0.0) -> dict:
     """Record `index` of stream (`seed`, `split`): draws until the user turn lies in `split`'s bucket.
-    Training curricula (0 = the task): `echo_share`, the probability of a copy-drill record (`_echo`);
-    `unoffered_share`, of an extra request for a function that is not offered (answered in text)."""
+    Training curricula (0 = the task): `echo_share`, the probability of a copy-drill record (`_echo`),
+    `echo_numbers` the share of its values that are integers; `unoffered_share`, of an extra request for
+    a function that is not offered (answered in text)."""
     for name, share in (("echo_share", echo_share), ("unoffered_share", unoffered_share)):
         if not 0.0 <= share < 1.0:
             raise ValueError(f"tool_task: {name} must be in [0, 1), got {share}")
+    if not 0.0 <= echo_numbers <= 1.0:
+        raise ValueError(f"tool_task: echo_numbers must be in [0, 1], got {echo_numbers}")
     if split not in SPLITS:
         raise ValueError(f"tool_task: split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"clover-tool-task:{seed}:{split}:{index}")
     while True:
-        rec = _draw(rng, schemas, echo_share, unoffered_share)
+        rec = _draw(rng, schemas, echo_share, unoffered_share, echo_numbers)
         if _bucket(rec) == split:
             return rec
 
 
 def generate_records(n: int, seed: int, split: str, schemas: TaskSchemas, echo_share: float = 0.0,
-                     unoffered_share: float = 0.0) -> list[dict]:
-    return [generate_record(i, seed, split, schemas, echo_share, unoffered_share) for i in range(n)]
+                     unoffered_share: float = 0.0, echo_numbers: float = 0.0) -> list[dict]:
+    return [generate_record(i, seed, split, schemas, echo_share, unoffered_share, echo_numbers) for i in range(n)]
 
 
 def assert_disjoint(train: Sequence[dict], heldout: Sequence[dict]) -> None:

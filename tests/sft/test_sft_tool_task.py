@@ -126,6 +126,29 @@ def test_copy_drills_repeat_the_user_values_and_leave_the_task_stream_alone(sche
         tt.generate_record(0, 5, "train", schemas, echo_share=1.0)
 
 
+def test_numeric_copy_drills_list_integers_in_order():
+    """`echo_numbers`: that share of a drill's values are 2-3 digit integers, repeated in the user's order;
+    at 0 the drills are the plain ones, record for record; outside [0, 1] is an error naming the option.
+    (Word values: letters only, so a listed value is a digit string exactly when it is an integer.)"""
+    schemas = tt.load_schemas(str(BFCL), value_words=96, quote_values=True)
+    plain = tt.generate_records(200, 7, "train", schemas, echo_share=0.5)
+    assert plain == tt.generate_records(200, 7, "train", schemas, echo_share=0.5, echo_numbers=0.0)
+    mixed = tt.generate_records(400, 7, "train", schemas, echo_share=0.5, echo_numbers=0.5)
+    drills = [r for r in mixed if r["messages"][1]["content"].startswith(("Noted: ", "I will remember "))]
+    n_values = n_ints = 0
+    for r in drills:
+        user, reply = r["messages"][0]["content"], r["messages"][1]["content"]
+        listed = reply.removeprefix("Noted: ").removeprefix("I will remember ").removesuffix(".")
+        assert listed in user
+        vals = re.split(r", | and ", listed)
+        ints = [v for v in vals if v.isdigit()]
+        assert all(13 <= int(v) <= 999 for v in ints)
+        n_values, n_ints = n_values + len(vals), n_ints + len(ints)
+    assert 0.4 < n_ints / n_values < 0.6
+    with pytest.raises(ValueError, match="echo_numbers"):
+        tt.generate_record(0, 7, "train", schemas, echo_share=0.5, echo_numbers=1.5)
+
+
 def _contains(seq, sub):
     return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 

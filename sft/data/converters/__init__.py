@@ -55,6 +55,7 @@ OPTIONS["tool_task"] = {
     "quote_values": (bool, False, "the user turn writes string values in double quotes"),
     "echo_share": ((float, int), 0.0, "share of copy-drill records (the user lists 2-4 values, the reply "
                    "repeats them): a training curriculum, 0 for eval splits"),
+    "echo_numbers": ((float, int), 0.0, "share of copy-drill values that are 2-3 digit integers (0-1)"),
     "unoffered_share": ((float, int), 0.0, "share of extra requests for a function that is not offered "
                         "(answered in text): a training curriculum, 0 for eval splits"),
 }
