@@ -70,26 +70,31 @@ def _check_split(t: int, block_size: int, mesh) -> None:
                          f"shards whose length is a multiple of block_size {block_size}")
 
 
-def context_two_stream_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BT, *, block_size: int, backend: str,
-                                 mesh=None, **kernel_kw) -> jax.Array:
-    """Both training streams with T sharded over ``context``: q, k, v [B, 2T, *] = clean || noisy
-    tokens -> [B, 2T, H, D]. A kernel backend runs both streams in one shard_map over ONE exchange of
-    the clean K/V (one all-gather; the two streams' dK / dV summed before one reduce-scatter); the
-    reference runs the two streams apart."""
+def context_two_stream_attention(q_c_BTHD, q_n_BTHD, k_c_BTKD, k_n_BTKD, v_c_BTKD, v_n_BTKD, segment_ids_BT, *,
+                                 block_size: int, backend: str, mesh=None, **kernel_kw) -> tuple[jax.Array, jax.Array]:
+    """Both training streams with T sharded over ``context``: each stream's q, k, v [B, T, *] ->
+    (clean, noisy) outputs [B, T, H, D]. A kernel backend runs both streams in one shard_map over ONE
+    exchange of the clean K/V (one all-gather; the two streams' dK / dV summed before one
+    reduce-scatter); the reference runs the two streams apart."""
     t = segment_ids_BT.shape[1]
-    if q_BSHD.shape[1] != 2 * t or k_BSKD.shape[1] != 2 * t:
-        raise ValueError(f"two-stream attention: q {q_BSHD.shape} and k {k_BSKD.shape} must be [B, 2T] for T={t}")
+    if any(a.shape[1] != t for a in (q_c_BTHD, q_n_BTHD, k_c_BTKD, k_n_BTKD, v_c_BTKD, v_n_BTKD)):
+        raise ValueError(f"two-stream attention: every stream's q, k, v must be [B, T] for T={t}, got "
+                         f"q {q_c_BTHD.shape} / {q_n_BTHD.shape}, k {k_c_BTKD.shape} / {k_n_BTKD.shape}")
+    _check_split(t, block_size, mesh)
     if backend == "reference":
-        out_c = context_stream_attention(q_BSHD[:, :t], k_BSKD[:, :t], v_BSKD[:, :t], segment_ids_BT, stream="clean",
-                                         mesh=mesh)
-        out_n = context_stream_attention(q_BSHD[:, t:], k_BSKD, v_BSKD, segment_ids_BT, stream="noisy",
-                                         block_size=block_size, mesh=mesh)
-    else:
-        _check_split(t, block_size, mesh)
-        out_c, out_n = sharded_stream_attention(q_BSHD[:, :t], q_BSHD[:, t:], k_BSKD[:, :t], v_BSKD[:, :t],
-                                                segment_ids_BT, backend=backend, block_size=block_size,
-                                                noisy_kv=(k_BSKD[:, t:], v_BSKD[:, t:]), mesh=mesh, **kernel_kw)
-    return jnp.concatenate([out_c, out_n], axis=1)
+        seg = segment_ids_BT.astype(jnp.int32)
+        out_c = over_context(shard_clean_attention, (_TOK4, _TOK4, _TOK4, _TOK2), _TOK4,
+                             q_c_BTHD, k_c_BTKD, v_c_BTKD, seg, mesh=mesh)
+        return out_c, _reference_noisy(q_n_BTHD, k_c_BTKD, v_c_BTKD, k_n_BTKD, v_n_BTKD, seg, block_size, mesh)
+    return sharded_stream_attention(q_c_BTHD, q_n_BTHD, k_c_BTKD, v_c_BTKD, segment_ids_BT, backend=backend,
+                                    block_size=block_size, noisy_kv=(k_n_BTKD, v_n_BTKD), mesh=mesh, **kernel_kw)
+
+
+def _reference_noisy(q_BTHD, kc_BTKD, vc_BTKD, kn_BTKD, vn_BTKD, seg_BT, block_size: int, mesh) -> jax.Array:
+    """The reference noisy stream over context shards: [B, T, H, D]."""
+    body = lambda q, kc, vc, kn, vn, s: shard_noisy_attention(q, kc, vc, kn, vn, s, block_size)  # noqa: E731
+    return over_context(body, (_TOK4,) * 5 + (_TOK2,), _TOK4, q_BTHD, kc_BTKD, vc_BTKD, kn_BTKD, vn_BTKD, seg_BT,
+                        mesh=mesh)
 
 
 def context_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, stream: str, block_size: int = 1,
@@ -111,9 +116,7 @@ def context_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, stream: 
     if stream == "clean":
         return over_context(shard_clean_attention, (_TOK4, _TOK4, _TOK4, _TOK2), _TOK4,
                             q_BTHD, k_BSKD, v_BSKD, seg, mesh=mesh)
-    body = lambda q, kc, vc, kn, vn, s: shard_noisy_attention(q, kc, vc, kn, vn, s, block_size)  # noqa: E731
-    return over_context(body, (_TOK4,) * 5 + (_TOK2,), _TOK4, q_BTHD, k_BSKD[:, :t], v_BSKD[:, :t],
-                        k_BSKD[:, t:], v_BSKD[:, t:], seg, mesh=mesh)
+    return _reference_noisy(q_BTHD, k_BSKD[:, :t], v_BSKD[:, :t], k_BSKD[:, t:], v_BSKD[:, t:], seg, block_size, mesh)
 
 
 __all__ = ["context_stream_attention", "context_two_stream_attention", "shard_clean_attention", "shard_noisy_attention"]

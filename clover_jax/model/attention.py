@@ -31,6 +31,7 @@ from pallas_kernels.attention_reference import (  # noqa: F401  (re-exported: th
 from pallas_kernels.attention_context import context_two_stream_attention
 from pallas_kernels.attention_dispatch import resolve_attn_backend, stream_attention
 from pallas_kernels.gdn_context import context_size
+from pallas_kernels.stream_layout import join_streams, split_streams
 
 
 def rope_tables(positions_BT: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -123,23 +124,25 @@ class Attention(nnx.Module):
 
 
     def two_stream(self, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
-        """Training forward of both streams: x [B, 2T, D] = clean || noisy. `ctx`: `cos`/`sin`
-        [B, T, R] (both streams share positions), `segment_ids` [B, T], `block_size`, and for the
-        reference backend the precomputed `mask` [B, T, T] (clean, causal) and `noisy_mask`
-        [B, T, 2T] over clean || noisy keys (the kernel builds its masks from the segment ids)."""
-        cos2, sin2 = (jnp.concatenate([a, a], axis=1) for a in (ctx["cos"], ctx["sin"]))
+        """Training forward of both streams: x [B, 2T, D], the clean and noisy tokens in the layout of
+        `pallas_kernels.stream_layout`. `ctx`: `cos`/`sin` [B, T, R] (both streams share positions),
+        `segment_ids` [B, T], `block_size`, and for the reference backend the precomputed `mask`
+        [B, T, T] (clean, causal) and `noisy_mask` [B, T, 2T] over clean || noisy keys (the kernel
+        builds its masks from the segment ids)."""
+        cos2, sin2 = (join_streams(a, a) for a in (ctx["cos"], ctx["sin"]))
         q, gate = self.project_q(x_BSD, cos2, sin2)
         k, v = self.project_kv(x_BSD, cos2, sin2)
-        t, seg = ctx["cos"].shape[1], ctx["segment_ids"]
+        (q_c, q_n), (k_c, k_n), (v_c, v_n) = (split_streams(a) for a in (q, k, v))
+        seg = ctx["segment_ids"]
         if context_size() > 1:  # each stream's T over the `context` axis: one K/V exchange for both
-            out = context_two_stream_attention(q, k, v, seg, block_size=ctx["block_size"],
-                                               backend=resolve_attn_backend(self.backend))
-            return self.output(out, gate)
-        out_c = stream_attention(q[:, :t], k[:, :t], v[:, :t], seg, stream="clean", backend=self.backend,
-                                 mask_BTS=ctx.get("mask"))
-        out_n = stream_attention(q[:, t:], k, v, seg, stream="noisy", block_size=ctx["block_size"],
-                                 backend=self.backend, mask_BTS=ctx.get("noisy_mask"))
-        return self.output(jnp.concatenate([out_c, out_n], axis=1), gate)
+            out_c, out_n = context_two_stream_attention(q_c, q_n, k_c, k_n, v_c, v_n, seg, block_size=ctx["block_size"],
+                                                        backend=resolve_attn_backend(self.backend))
+            return self.output(join_streams(out_c, out_n), gate)
+        out_c = stream_attention(q_c, k_c, v_c, seg, stream="clean", backend=self.backend, mask_BTS=ctx.get("mask"))
+        out_n = stream_attention(q_n, jnp.concatenate([k_c, k_n], axis=1), jnp.concatenate([v_c, v_n], axis=1), seg,
+                                 stream="noisy", block_size=ctx["block_size"], backend=self.backend,
+                                 mask_BTS=ctx.get("noisy_mask"))
+        return self.output(join_streams(out_c, out_n), gate)
 
     def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]) -> jax.Array:
         """Decode side: a noisy canvas [B, Bk, D] against the cached clean K/V (read only).

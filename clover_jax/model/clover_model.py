@@ -19,6 +19,7 @@ from clover_jax.config import ModelConfig
 from clover_jax.model.layers import init_stack_cache, run_stack, stacked_group
 from clover_jax.model.nn import RMSNorm, dtype_of, make_param, normal
 from pallas_kernels.attention_dispatch import resolve_attn_backend
+from pallas_kernels.stream_layout import join_streams, split_streams
 from clover_jax.model.params import Tree, check_flat_shapes, flatten, unflatten
 
 NO_SEGMENT = -1  # segment id of cache slots / ring entries that hold no token
@@ -246,12 +247,12 @@ class CloverModel(nnx.Module):
             "stream": "two_stream",
             "attn": attn_ctx,
             "gdn": {"segment_ids": seg, "block_size": bk, "empty_segment": NO_SEGMENT},
-            "valid": jnp.concatenate([valid, valid], axis=1),
+            "valid": join_streams(valid, valid),
         }
-        ids = jnp.concatenate([input_ids_BT, noisy_ids_BT], axis=1)
+        ids = join_streams(input_ids_BT, noisy_ids_BT)  # [B, 2T], each context shard's clean and noisy pieces together
         x, _, aux = run_stack(self.groups, self.embed(ids, dtype_of(cfg.dtype)), ctx, None, scan=cfg.scan_layers)
-        h = self.final_norm(x)
-        return h[:, :t], h[:, t:], _reduce_aux(cfg, aux)
+        h_clean, h_noisy = split_streams(self.final_norm(x))
+        return h_clean, h_noisy, _reduce_aux(cfg, aux)
 
     def block_logits(
         self, input_ids_BT: jax.Array, noisy_ids_BT: jax.Array, *, block_size: int | None = None,

@@ -21,6 +21,7 @@ import pallas_kernels
 from clover_jax.config import ModelConfig
 from clover_jax.model.nn import Dense, GatedRMSNorm, constant, dtype_of, make_param, normal
 from pallas_kernels.gdn_context import context_size
+from pallas_kernels.stream_layout import join_streams, split_streams
 
 CONV_PARTS = ("q", "k", "v")
 
@@ -230,9 +231,10 @@ class GatedDeltaNet(nnx.Module):
 
     # -- block mode (docs/design.md 3.2 B, C) ----------------------------------------------------------
     def two_stream(self, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
-        """Training forward of both streams: x [B, 2T, D] = clean tokens || noisy tokens (same
-        positions), -> [B, 2T, D]. The clean half is the AR layer exactly; the noisy half is the
-        block-mode GDN on the row grid of `ctx["block_size"]` (T a multiple of it)."""
+        """Training forward of both streams: x [B, 2T, D], the clean and noisy tokens (same positions) in
+        the layout of `pallas_kernels.stream_layout`, -> [B, 2T, D] in that layout. The clean stream is the
+        AR layer exactly; the noisy one is the block-mode GDN on the row grid of `ctx["block_size"]` (T a
+        multiple of it)."""
         if context_size() > 1:  # each stream's T sharded over the `context` mesh axis
             from clover_jax.model import gdn_context
 
@@ -242,8 +244,8 @@ class GatedDeltaNet(nnx.Module):
         b, t = seg.shape
         lring = c.linear_conv_kernel_dim - 1
         mixed = self.mix_inputs(x_BSD)
-        clean = {name: val[:, :t] for name, val in mixed.items()}
-        noisy = {name: val[:, t:] for name, val in mixed.items()}
+        streams = {name: split_streams(val) for name, val in mixed.items()}
+        clean, noisy = ({name: pair[i] for name, pair in streams.items()} for i in (0, 1))
         empty = jnp.full((b, lring), ctx["empty_segment"], jnp.int32)
         zeros = {p: jnp.zeros((b, lring, clean[p].shape[-1]), clean[p].dtype) for p in CONV_PARTS}
         conv_c = self._conv_parts(clean, seg, zeros, empty)
@@ -260,8 +262,7 @@ class GatedDeltaNet(nnx.Module):
         o_c, o_n, _ = pallas_kernels.block_gated_delta_rule(
             q_c, k_c, v_c, g, beta, q_n, k_n, v_n, self.bd_gdn_softmax_scalars[...],
             block_size=bk, segment_ids=seg, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend)
-        z = jnp.concatenate([clean["z"], noisy["z"]], axis=1)
-        return self.output(jnp.concatenate([o_c, o_n], axis=1), z, x_BSD.dtype)
+        return self.output(join_streams(o_c, o_n), mixed["z"], x_BSD.dtype)
 
     def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]
                    ) -> tuple[jax.Array, jax.Array]:

@@ -27,6 +27,7 @@ from clover_jax.parallel import sharding as sh
 from pallas_kernels.gdn_context import (
     CONTEXT_AXIS, RowSpecs, from_previous_shard, over_rows, row_specs, shard_block_gdn, shard_chunk_gdn,
 )
+from pallas_kernels.stream_layout import join_streams, split_streams
 
 
 def _halo(parts: dict[str, jax.Array], seg_BT: jax.Array, lring: int, empty_segment: int):
@@ -80,16 +81,16 @@ def clean_forward(layer, x_BTD: jax.Array, ctx: dict[str, Any], empty_segment: i
 
 
 def two_stream(layer, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
-    """Both block-mode streams, x [B, 2T, D] = clean || noisy -> [B, 2T, D], each stream's T sharded
-    over `context` (every shard a whole number of blocks)."""
+    """Both block-mode streams, x [B, 2T, D] in the layout of `pallas_kernels.stream_layout` (each
+    context shard holds the clean and noisy tokens of the same positions) -> [B, 2T, D] in that
+    layout, each stream's T sharded over `context` (every shard a whole number of blocks)."""
     c = layer.cfg
     bk, seg, empty = ctx["block_size"], ctx["segment_ids"].astype(jnp.int32), ctx["empty_segment"]
-    t = seg.shape[1]
     lring = c.linear_conv_kernel_dim - 1
     mixed = layer.mix_inputs(x_BSD)
-    clean = {p: mixed[p][:, :t] for p in CONV_PARTS}
-    noisy = {p: mixed[p][:, t:] for p in CONV_PARTS}
-    g, beta = layer.gates(mixed["b"][:, :t], mixed["a"][:, :t])
+    streams = {p: split_streams(mixed[p]) for p in (*CONV_PARTS, "b", "a")}
+    clean, noisy = ({p: streams[p][i] for p in CONV_PARTS} for i in (0, 1))
+    g, beta = layer.gates(streams["b"][0], streams["a"][0])
     weights = layer.conv_weights()
     sp = _specs(layer, x_BSD.shape[0])
 
@@ -115,5 +116,4 @@ def two_stream(layer, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
     o_c, o_n = over_rows(body, (sp.tok_h,) * 8 + (sp.tok, w_specs, sp.per_head), (sp.tok_h, sp.tok_h),
                          clean["q"], clean["k"], clean["v"], noisy["q"], noisy["k"], noisy["v"], g, beta, seg, weights,
                          layer.bd_gdn_softmax_scalars[...])
-    z = mixed["z"]
-    return layer.output(jnp.concatenate([o_c, o_n], axis=1), z, x_BSD.dtype)
+    return layer.output(join_streams(o_c, o_n), mixed["z"], x_BSD.dtype)

@@ -84,11 +84,11 @@ def test_context_kernels_equal_one_device_reference(backend, stream, block, cont
         assert_rel_close(a, b, FP32_REL, f"{what} d{name}")
 
 
-@pytest.mark.parametrize("backend,block,context", [("splash", 4, 4), ("flash", 32, 2)])
+@pytest.mark.parametrize("backend,block,context", [("splash", 4, 4), ("flash", 32, 2), ("reference", 8, 8)])
 def test_context_two_streams_over_one_exchange_equal_one_device(backend, block, context):
-    """The model's two-stream call under a context mesh (both streams in one shard_map, one K/V
-    exchange): [B, 2T] clean || noisy queries, keys and values; output and dq, dk, dv equal the two
-    one-device reference streams."""
+    """The model's two-stream call under a context mesh (a kernel backend: both streams in one
+    shard_map, one K/V exchange): each stream's queries, keys and values; output and dq, dk, dv equal
+    the two one-device reference streams."""
     ks = jax.random.split(jax.random.key(2), 4)
     q, w = jax.random.normal(ks[0], (B, 2 * T, H, D)), jax.random.normal(ks[3], (B, 2 * T, H, D))
     k, v = jax.random.normal(ks[1], (B, 2 * T, K, D)), jax.random.normal(ks[2], (B, 2 * T, K, D))
@@ -99,8 +99,10 @@ def test_context_two_streams_over_one_exchange_equal_one_device(backend, block, 
     mesh = jax.make_mesh((8 // context, context), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with jax.set_mesh(mesh):
         tok = NamedSharding(mesh, P(None, "context"))
-        got, got_g = _vg(lambda q, k, v: context_two_stream_attention(q, k, v, jax.device_put(seg, tok), block_size=block,
-                                                                      backend=backend), q, k, v, w)
+        two = lambda q, k, v: jnp.concatenate(context_two_stream_attention(  # noqa: E731
+            q[:, :T], q[:, T:], k[:, :T], k[:, T:], v[:, :T], v[:, T:], jax.device_put(seg, tok), block_size=block,
+            backend=backend), axis=1)
+        got, got_g = _vg(two, q, k, v, w)
     what = f"{backend} two streams b{block} c{context}"
     assert_rel_close(got, want, FP32_REL, f"{what} output")
     for name, a, b in zip("qkv", got_g, want_g):

@@ -16,6 +16,7 @@ from clover_jax.config import get_preset
 from clover_jax.model.clover_model import NO_SEGMENT
 from clover_jax.model.gdn import GatedDeltaNet
 from clover_jax.parallel import sharding as sh
+from pallas_kernels.stream_layout import join_streams, split_streams
 from tests.model.parity_utils import FAST_COMPILE, FP32_REL, assert_rel_close, rounding_floor
 
 CFG = get_preset("tiny").replace(mode="block", block_size=4, gdn_chunk_size=4)
@@ -89,6 +90,8 @@ def test_clean_forward_over_context_equals_one_device(mesh):
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_two_stream_over_context_equals_one_device(mesh):
-    def fn(layer, x, seg):
-        return layer.two_stream(x, {"segment_ids": seg, "block_size": 4, "empty_segment": NO_SEGMENT})
+    def fn(layer, x, seg):  # x, y: clean || noisy; the layer sees its mesh's layout (stream_layout)
+        y = layer.two_stream(join_streams(x[:, :T], x[:, T:]),
+                             {"segment_ids": seg, "block_size": 4, "empty_segment": NO_SEGMENT})
+        return jnp.concatenate(split_streams(y), axis=1)
     _check(fn, 2 * T, MESHES[mesh])
