@@ -13,12 +13,16 @@ real BFCL function schemas (``BFCL_v4_simple_python.json``: functions whose requ
 - ``none`` (20%): small talk that names someone (the reply greets them) or a request for a function that is not offered (the
   reply names it: "None of the available tools can <name words>.").
 
-Two options shape the task (both off by default, the task as above): ``quote_values`` writes string
+Three options shape the task (all off by default, the task as above): ``quote_values`` writes string
 values in double quotes in the user turn (``compound "Emeryville, CA"``), so a value's tokens are the
 same in the user turn and in the call's JSON (unquoted, the first word is a different token there:
 " Em" in the sentence, "Em" after the JSON quote) and its end is marked; ``value_words`` > 0 draws each
 string value as 1-3 words of a fixed sample of that many words of the answer values ("Canyon red
-Hotel"): frequent tokens in combinations that recur rarely, so a value must be read, not remembered.
+Hotel"): frequent tokens in combinations that recur rarely, so a value must be read, not remembered;
+``name_tools`` has the user name the function as the tool list writes it, in double quotes (``use
+"calculate_density"``: the name's tokens are the same in the user turn, the tool list and the call,
+so whether it is offered is a match of the same tokens, not a word-to-name mapping), and a "no tool
+fits" reply names it the same way (``None of the available tools is "calculate_density".``).
 
 Training curricula (default 0: the task as above): copy drills (`echo_share`: the user lists 2-4
 values and the reply repeats them in order; `echo_numbers`: the share of those values that are
@@ -52,7 +56,7 @@ HELDOUT_BUCKETS = 8  # 1 in 8 user turns belongs to the held-out split
 SPLITS = ("train", "heldout")
 # the options of a `tool_task` source that define the task (the study's eval prompts must use the same);
 # echo_share / unoffered_share are training curricula and stay out
-TASK_OPTIONS = ("max_functions", "max_values", "value_words", "quote_values")
+TASK_OPTIONS = ("max_functions", "max_values", "value_words", "quote_values", "name_tools")
 _TYPES = ("string", "integer", "boolean")
 _WORDS = ("zero one two three four five six seven eight nine ten eleven twelve").split()
 # small talk greets a name (a value of the pool): varied user turns in both splits, copied into the reply
@@ -69,10 +73,11 @@ _ASK = ("Please {what} with {args}.", "Can you {what} with {args}?", "I need to 
 
 class TaskSchemas:
     """The function pool (tool dicts in the canonical record layout), the string-value pool (or the
-    words string values are made of, when `words` is not empty) and whether the user quotes them."""
+    words string values are made of, when `words` is not empty), whether the user quotes them and
+    whether the user names functions as written (`name_tools`)."""
 
     def __init__(self, tools: list[dict], values: list[str], where: str, words: Sequence[str] = (),
-                 quote: bool = False):
+                 quote: bool = False, name_tools: bool = False):
         if len(tools) < 4:
             raise ValueError(f"{where}: {len(tools)} eligible functions; the task needs at least 4")
         if len(values) < 8:
@@ -80,6 +85,7 @@ class TaskSchemas:
         if words and len(words) < 8:
             raise ValueError(f"{where}: {len(words)} value words in the possible answers; need at least 8")
         self.tools, self.values, self.where, self.words, self.quote = tools, values, where, list(words), quote
+        self.name_tools = name_tools
         self.by_name = {t["function"]["name"]: t for t in tools}
 
     def value(self, rng: random.Random) -> str:
@@ -114,7 +120,7 @@ def _strings(obj: Any) -> Iterable[str]:
 
 @functools.lru_cache(maxsize=8)
 def load_schemas(schema_file: str, max_functions: int = 32, max_values: int = 256, value_words: int = 0,
-                 quote_values: bool = False) -> TaskSchemas:
+                 quote_values: bool = False, name_tools: bool = False) -> TaskSchemas:
     """The first `max_functions` eligible functions of a BFCL question file (JSON Lines), names
     unique (required parameters only, without descriptions: short prompts for a 2-core model),
     and the string values of the possible answers (1-3 words, <= 20 characters, starting with a letter, only letters, digits,
@@ -152,7 +158,7 @@ def load_schemas(schema_file: str, max_functions: int = 32, max_values: int = 25
     words = sorted({w for v in values for w in re.split(r"[ ,.]+", v) if _WORD_RE.fullmatch(w)})
     pool = sorted(random.Random("clover-tool-task-values").sample(pool, min(max_values, len(pool))))
     words = sorted(random.Random("clover-tool-task-words").sample(words, min(value_words, len(words))))
-    return TaskSchemas(list(tools.values()), pool, str(path), words, quote_values)
+    return TaskSchemas(list(tools.values()), pool, str(path), words, quote_values, name_tools)
 
 
 def schemas_from_options(schema_file: str, options: Mapping[str, Any]) -> TaskSchemas:
@@ -162,6 +168,11 @@ def schemas_from_options(schema_file: str, options: Mapping[str, Any]) -> TaskSc
 
 def _name_words(name: str) -> str:
     return name.replace(".", " ").replace("_", " ").strip()
+
+
+def _named(name: str, schemas: TaskSchemas) -> str:
+    """How the user refers to a function: its name words, or (`name_tools`) its name in quotes."""
+    return f'use "{name}"' if schemas.name_tools else _name_words(name)
 
 
 def _request(rng: random.Random, tool: dict, schemas: TaskSchemas) -> tuple[str, dict]:
@@ -182,7 +193,7 @@ def _request(rng: random.Random, tool: dict, schemas: TaskSchemas) -> tuple[str,
             parts.append(f'{key} "{v}"' if schemas.quote else f"{key} {v}")
         args[k] = v
     text = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
-    return rng.choice(_ASK).format(what=_name_words(fn["name"]), args=text), args
+    return rng.choice(_ASK).format(what=_named(fn["name"], schemas), args=text), args
 
 
 def _echo(rng: random.Random, schemas: TaskSchemas, numbers: float = 0.0) -> dict:
@@ -219,7 +230,9 @@ def _draw(rng: random.Random, schemas: TaskSchemas, echo_share: float = 0.0, uno
             user, reply = (s.format(v=name) for s in rng.choice(_SMALL_TALK))
         else:  # needed[0] is not offered
             user, _ = _request(rng, needed[0], schemas)
-            reply = f"None of the available tools can {_name_words(needed[0]['function']['name'])}."
+            fn_name = needed[0]["function"]["name"]
+            reply = (f'None of the available tools is "{fn_name}".' if schemas.name_tools
+                     else f"None of the available tools can {_name_words(fn_name)}.")
         answer: dict[str, Any] = {"role": "assistant", "content": reply}
     else:
         asks, calls = [], []
@@ -290,12 +303,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-values", type=int, default=256)
     ap.add_argument("--value-words", type=int, default=0, help="> 0: string values are 1-3 of that many words")
     ap.add_argument("--quote-values", action="store_true", help="the user quotes string values")
+    ap.add_argument("--name-tools", action="store_true", help="the user names functions as written, in quotes")
     ap.add_argument("--split", choices=SPLITS, default="heldout")
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    schemas = load_schemas(a.bfcl, a.max_functions, a.max_values, a.value_words, a.quote_values)
+    schemas = load_schemas(a.bfcl, a.max_functions, a.max_values, a.value_words, a.quote_values, a.name_tools)
     print(write_jsonl(a.out, generate_records(a.n, a.seed, a.split, schemas)))
 
 

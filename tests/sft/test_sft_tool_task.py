@@ -181,6 +181,38 @@ def test_quoted_values_are_the_same_tokens_in_the_user_turn_and_in_the_call(tok)
     assert sum(plain) < 0.5 * len(plain)
 
 
+def test_named_tools_are_the_same_tokens_in_the_user_turn_the_tool_list_and_the_call(tok):
+    """`name_tools`: the user names each requested function in quotes, as written; its tokens inside the
+    call's JSON occur verbatim in the user turn and in the tool list's line (`name(`, after a newline),
+    so "is it offered" is a match of the same tokens; a "no tool fits" reply names an absent function
+    the same way. The default (name words) shares none of those tokens with the call."""
+    named, plain = tt.load_schemas(str(BFCL), name_tools=True), tt.load_schemas(str(BFCL))
+    head = tok.encode('{"name": "', add_special_tokens=False)
+    n_calls = n_none = 0
+    for r in tt.generate_records(300, 3, "train", named, unoffered_share=0.3):
+        user_text, answer = r["messages"][0]["content"], r["messages"][1]
+        user = tok.encode(user_text, add_special_tokens=False)
+        offered = [t["function"]["name"] for t in r["tools"]]
+        for call in answer.get("tool_calls", []):
+            name = call["function"]["name"]
+            full = tok.encode(f'{{"name": "{name}"', add_special_tokens=False)
+            ids = full[len(head):-1]
+            assert full[:len(head)] == head and tok.decode(ids) == name
+            listed = tok.encode(f")\n{name}(", add_special_tokens=False)
+            assert f'use "{name}"' in user_text and _contains(user, ids) and _contains(listed, ids), name
+            assert name in offered
+            n_calls += 1
+        if answer["content"].startswith("None of"):
+            name = re.fullmatch(r'None of the available tools is "(.+)"\.', answer["content"]).group(1)
+            assert f'use "{name}"' in user_text and name not in offered
+            n_none += 1
+    assert n_calls > 100 and n_none > 30
+    plain_recs = tt.generate_records(100, 3, "train", plain)
+    assert not any('use "' in r["messages"][0]["content"] for r in plain_recs)
+    assert all(r["messages"][1]["content"].startswith("None of the available tools can ")
+               for r in plain_recs if r["messages"][1]["content"].startswith("None of"))
+
+
 def test_value_words_make_string_values_of_a_fixed_word_sample(schemas):
     """`value_words`: string values are 1-3 distinct words of a fixed sample of the answer values' words
     (so held-out values are mostly combinations never seen whole in training)."""

@@ -53,6 +53,7 @@ OPTIONS["tool_task"] = {
     "max_values": (int, 256, "string values sampled from BFCL's possible answers"),
     "value_words": (int, 0, "> 0: string values are 1-3 words of a fixed sample of that many answer words"),
     "quote_values": (bool, False, "the user turn writes string values in double quotes"),
+    "name_tools": (bool, False, "the user names the function as the tool list writes it, in double quotes"),
     "echo_share": ((float, int), 0.0, "share of copy-drill records (the user lists 2-4 values, the reply "
                    "repeats them): a training curriculum, 0 for eval splits"),
     "echo_numbers": ((float, int), 0.0, "share of copy-drill values that are 2-3 digit integers (0-1)"),
