@@ -135,7 +135,8 @@ class Attention(nnx.Module):
         (q_c, q_n), (k_c, k_n), (v_c, v_n) = (split_streams(a) for a in (q, k, v))
         seg = ctx["segment_ids"]
         if context_size() > 1:  # each stream's T over the `context` axis: one K/V exchange for both
-            out_c, out_n = context_two_stream_attention(q_c, q_n, k_c, k_n, v_c, v_n, seg, block_size=ctx["block_size"],
+            out_c, out_n = context_two_stream_attention(q_c, q_n, k_c, k_n, v_c, v_n, seg,
+                                                        block_size=ctx["block_size"],
                                                         backend=resolve_attn_backend(self.backend))
             return self.output(join_streams(out_c, out_n), gate)
         out_c = stream_attention(q_c, k_c, v_c, seg, stream="clean", backend=self.backend, mask_BTS=ctx.get("mask"))

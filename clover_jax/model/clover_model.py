@@ -249,7 +249,7 @@ class CloverModel(nnx.Module):
             "gdn": {"segment_ids": seg, "block_size": bk, "empty_segment": NO_SEGMENT},
             "valid": join_streams(valid, valid),
         }
-        ids = join_streams(input_ids_BT, noisy_ids_BT)  # [B, 2T], each context shard's clean and noisy pieces together
+        ids = join_streams(input_ids_BT, noisy_ids_BT)  # [B, 2T]: a context shard holds both streams' pieces
         x, _, aux = run_stack(self.groups, self.embed(ids, dtype_of(cfg.dtype)), ctx, None, scan=cfg.scan_layers)
         h_clean, h_noisy = split_streams(self.final_norm(x))
         return h_clean, h_noisy, _reduce_aux(cfg, aux)

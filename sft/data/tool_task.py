@@ -55,7 +55,7 @@ __all__ = ["HELDOUT_BUCKETS", "TASK_OPTIONS", "TaskSchemas", "assert_disjoint", 
 HELDOUT_BUCKETS = 8  # 1 in 8 user turns belongs to the held-out split
 SPLITS = ("train", "heldout")
 # the options of a `tool_task` source that define the task (the study's eval prompts must use the same);
-# echo_share / unoffered_share are training curricula and stay out
+# echo_share / echo_numbers / unoffered_share are training curricula and stay out
 TASK_OPTIONS = ("max_functions", "max_values", "value_words", "quote_values", "name_tools")
 _TYPES = ("string", "integer", "boolean")
 _WORDS = ("zero one two three four five six seven eight nine ten eleven twelve").split()
