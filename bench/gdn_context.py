@@ -33,12 +33,12 @@ and all-gathered per-chunk fp32 tensors over fsdp) when present. Measured at T =
 and layer, before -> after): clean 440 -> 32, block 752 -> 32, with the reference per shard as with
 the Pallas kernels (the analytic count exactly); at T = 32768 with Pallas per shard: 32 MiB too.
 
-`--modes ...,layer` also compiles the whole block-mode layer (`compile_layer`). At T = 4096 it moves
-more than the op and the FSDP weights: ~235 MiB of collective-permutes and 64 MiB of all-to-all per
-chip, from the slices of the model's [B, 2T] = clean || noisy layout into its halves (and their
-transposes, pads, in the backward): with 2T contiguous over `context` the clean half lives on the
-first half of the chips, so each half is re-laid over all of them (a cost of that layout, as for
-attention in bench/context.py, not of the GDN op).
+`--modes ...,layer` also compiles the whole block-mode layer (`compile_layer`), its input in the
+model's two-stream layout (`pallas_kernels/stream_layout.py`: each context shard holds the clean and
+noisy tokens of the same positions). At T = 4096, MiB per chip: collective-permute 18.1 (a weight
+gradient's re-layout and the conv halo) and no all-to-all; with the earlier clean || noisy layout
+(2T contiguous over `context`: each stream on half the chips, re-laid over all of them at every
+split and join) it was 234.8 and 64.0.
 """
 
 from __future__ import annotations
