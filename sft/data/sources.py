@@ -94,8 +94,7 @@ def _raw_items(src: SourceConfig, where: str) -> tuple[list, Iterator[tuple[Loc,
                               f"{src.path} matches {len(files)}")
         schemas = tool_task.schemas_from_options(str(files[0]), opts)
         recs = tool_task.generate_records(opts["n_records"], opts["seed"], opts["split"], schemas,
-                                          float(opts["echo_share"]), float(opts["unoffered_share"]),
-                                          float(opts["echo_numbers"]))
+                                          **{k: float(opts[k]) for k in tool_task.CURRICULA})
         label = f"tool_task:{src.name}:{opts['split']}"
         return [], ((Loc(label, index=i), r) for i, r in enumerate(recs))
     if src.path is not None:

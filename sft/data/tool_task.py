@@ -24,10 +24,12 @@ Hotel"): frequent tokens in combinations that recur rarely, so a value must be r
 so whether it is offered is a match of the same tokens, not a word-to-name mapping), and a "no tool
 fits" reply names it the same way (``None of the available tools is "calculate_density".``).
 
-Training curricula (default 0: the task as above): copy drills (`echo_share`: the user lists 2-4
-values and the reply repeats them in order; `echo_numbers`: the share of those values that are
-integers) and extra "no tool fits" turns (`unoffered_share`: a request for a function that is not
-offered, answered in text).
+Training curricula (`CURRICULA`, keyword arguments of `generate_record(s)`; default 0: the task as
+above): copy drills (`echo_share`: the user lists 2-4 values and the reply repeats them in order;
+`echo_numbers`: the share of those values that are integers), extra "no tool fits" turns
+(`unoffered_share`: a request for a function that is not offered, answered in text) and offer-check
+drills (`check_share`: "Is there a tool to <name words>?" answered "Yes." or "No." from the offered
+list, half of each: the check a "no tool fits" turn needs, without the call around it).
 
 String values come from the string arguments of BFCL's possible answers (all categories that ship a
 ``possible_answer`` file next to the schemas): real values, shared by every function, so the value
@@ -49,14 +51,15 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["HELDOUT_BUCKETS", "TASK_OPTIONS", "TaskSchemas", "assert_disjoint", "generate_records",
+__all__ = ["CURRICULA", "HELDOUT_BUCKETS", "TASK_OPTIONS", "TaskSchemas", "assert_disjoint", "generate_records",
            "load_schemas", "prompt_key", "schemas_from_options", "write_jsonl"]
 
 HELDOUT_BUCKETS = 8  # 1 in 8 user turns belongs to the held-out split
 SPLITS = ("train", "heldout")
 # the options of a `tool_task` source that define the task (the study's eval prompts must use the same);
-# echo_share / echo_numbers / unoffered_share are training curricula and stay out
+# the training curricula (keyword arguments of `generate_record`) stay out
 TASK_OPTIONS = ("max_functions", "max_values", "value_words", "quote_values", "name_tools")
+CURRICULA = ("echo_share", "echo_numbers", "unoffered_share", "check_share")
 _TYPES = ("string", "integer", "boolean")
 _WORDS = ("zero one two three four five six seven eight nine ten eleven twelve").split()
 # small talk greets a name (a value of the pool): varied user turns in both splits, copied into the reply
@@ -66,6 +69,8 @@ _SMALL_TALK = (("Hi, I am {v}.", "Hello {v}! How can I help you today?"),
 # the copy drill (a training curriculum, `echo_share`): the user lists values, the reply repeats them
 _ECHO = (("Please note these names: {vs}.", "Noted: {vs}."),
          ("Remember {vs} for later.", "I will remember {vs}."))
+# the offer-check drill (`check_share`): is the named function among the offered tools?
+_CHECK = ("Is there a tool to {what}?", "Can any of the tools {what}?")
 _VALUE_RE = re.compile(r"[A-Za-z][A-Za-z0-9 .,-]*")  # plain values: no quotes, escapes or markup
 _WORD_RE = re.compile(r"[A-Za-z][A-Za-z-]+")  # the words of `value_words`
 _ASK = ("Please {what} with {args}.", "Can you {what} with {args}?", "I need to {what}: {args}.")
@@ -213,11 +218,26 @@ def _echo(rng: random.Random, schemas: TaskSchemas, numbers: float = 0.0) -> dic
             "tools": rng.sample(schemas.tools, rng.randint(2, 3))}
 
 
+def _check(rng: random.Random, schemas: TaskSchemas) -> dict:
+    """An offer-check drill: the user asks whether a function is offered; it is in half of them."""
+    fn = rng.choice(schemas.tools)
+    others = [t for t in schemas.tools if t is not fn]
+    offered = rng.sample(others, rng.randint(1, 2))
+    present = rng.random() < 0.5
+    if present:
+        offered.insert(rng.randint(0, len(offered)), fn)
+    user = rng.choice(_CHECK).format(what=_named(fn["function"]["name"], schemas))
+    return {"messages": [{"role": "user", "content": user},
+                         {"role": "assistant", "content": "Yes." if present else "No."}], "tools": offered}
+
+
 def _draw(rng: random.Random, schemas: TaskSchemas, echo_share: float = 0.0, unoffered_share: float = 0.0,
-          echo_numbers: float = 0.0) -> dict:
+          echo_numbers: float = 0.0, check_share: float = 0.0) -> dict:
     # no extra draw at share 0: the task's streams stay as they were
     if echo_share > 0 and rng.random() < echo_share:
         return _echo(rng, schemas, echo_numbers)
+    if check_share > 0 and rng.random() < check_share:
+        return _check(rng, schemas)
     unoffered = unoffered_share > 0 and rng.random() < unoffered_share
     scenario = "none" if unoffered else rng.choices(["single", "multi", "none"], [50, 30, 20])[0]
     needed = rng.sample(schemas.tools, 2 if scenario == "multi" else 1)
@@ -256,13 +276,14 @@ def _bucket(record: dict) -> str:
     return "heldout" if h % HELDOUT_BUCKETS == 0 else "train"
 
 
-def generate_record(index: int, seed: int, split: str, schemas: TaskSchemas, echo_share: float = 0.0,
-                    unoffered_share: float = 0.0, echo_numbers: float = 0.0) -> dict:
+def generate_record(index: int, seed: int, split: str, schemas: TaskSchemas, *, echo_share: float = 0.0,
+                    unoffered_share: float = 0.0, echo_numbers: float = 0.0, check_share: float = 0.0) -> dict:
     """Record `index` of stream (`seed`, `split`): draws until the user turn lies in `split`'s bucket.
     Training curricula (0 = the task): `echo_share`, the probability of a copy-drill record (`_echo`),
     `echo_numbers` the share of its values that are integers; `unoffered_share`, of an extra request for
-    a function that is not offered (answered in text)."""
-    for name, share in (("echo_share", echo_share), ("unoffered_share", unoffered_share)):
+    a function that is not offered (answered in text); `check_share`, of an offer-check drill."""
+    for name, share in (("echo_share", echo_share), ("unoffered_share", unoffered_share),
+                        ("check_share", check_share)):
         if not 0.0 <= share < 1.0:
             raise ValueError(f"tool_task: {name} must be in [0, 1), got {share}")
     if not 0.0 <= echo_numbers <= 1.0:
@@ -271,14 +292,14 @@ def generate_record(index: int, seed: int, split: str, schemas: TaskSchemas, ech
         raise ValueError(f"tool_task: split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"clover-tool-task:{seed}:{split}:{index}")
     while True:
-        rec = _draw(rng, schemas, echo_share, unoffered_share, echo_numbers)
+        rec = _draw(rng, schemas, echo_share, unoffered_share, echo_numbers, check_share)
         if _bucket(rec) == split:
             return rec
 
 
-def generate_records(n: int, seed: int, split: str, schemas: TaskSchemas, echo_share: float = 0.0,
-                     unoffered_share: float = 0.0, echo_numbers: float = 0.0) -> list[dict]:
-    return [generate_record(i, seed, split, schemas, echo_share, unoffered_share, echo_numbers) for i in range(n)]
+def generate_records(n: int, seed: int, split: str, schemas: TaskSchemas, **curricula: float) -> list[dict]:
+    """Records 0..n-1 of stream (`seed`, `split`); `curricula`: `CURRICULA` keywords of `generate_record`."""
+    return [generate_record(i, seed, split, schemas, **curricula) for i in range(n)]
 
 
 def assert_disjoint(train: Sequence[dict], heldout: Sequence[dict]) -> None:

@@ -253,3 +253,30 @@ def test_unoffered_share_adds_no_tool_turns_and_leaves_the_task_stream_alone(sch
     assert 0.05 < base < 0.16 and 0.3 < more < 0.45
     with pytest.raises(ValueError, match="unoffered_share"):
         tt.generate_record(0, 6, "train", schemas, unoffered_share=1.0)
+
+
+def test_offer_check_drills_answer_from_the_offered_list(schemas):
+    """`check_share`: about that share of records ask whether a named function is offered; the reply is
+    "Yes." exactly when it is among the record's tools (half and half); 0 leaves the stream alone; the
+    curricula are keyword-only and every one of `CURRICULA` is an option of the source."""
+    assert tt.generate_records(200, 9, "train", schemas) == tt.generate_records(200, 9, "train", schemas,
+                                                                                  check_share=0.0)
+    recs = tt.generate_records(600, 9, "train", schemas, check_share=0.3)
+    drills = [r for r in recs if r["messages"][1]["content"] in ("Yes.", "No.")]
+    assert 0.22 < len(drills) / 600 < 0.38
+    words = {t["function"]["name"].replace(".", " ").replace("_", " "): t["function"]["name"] for t in schemas.tools}
+    yes = 0
+    for r in drills:
+        user = r["messages"][0]["content"]
+        asked = [name for w, name in words.items() if user.endswith(f" {w}?")]
+        assert len(asked) == 1, user
+        present = asked[0] in [t["function"]["name"] for t in r["tools"]]
+        assert (r["messages"][1]["content"] == "Yes.") == present and len(r["tools"]) >= 1
+        yes += present
+    assert 0.35 < yes / len(drills) < 0.65
+    with pytest.raises(ValueError, match="check_share"):
+        tt.generate_record(0, 9, "train", schemas, check_share=1.0)
+    with pytest.raises(TypeError):
+        tt.generate_record(0, 9, "train", schemas, 0.1)  # curricula by keyword only
+    from sft.data.converters import OPTIONS
+    assert set(tt.CURRICULA) <= set(OPTIONS["tool_task"])

@@ -57,6 +57,8 @@ OPTIONS["tool_task"] = {
     "echo_share": ((float, int), 0.0, "share of copy-drill records (the user lists 2-4 values, the reply "
                    "repeats them): a training curriculum, 0 for eval splits"),
     "echo_numbers": ((float, int), 0.0, "share of copy-drill values that are 2-3 digit integers (0-1)"),
+    "check_share": ((float, int), 0.0, "share of offer-check drills (\"Is there a tool to X?\" -> Yes. / No.): "
+                    "a training curriculum, 0 for eval splits"),
     "unoffered_share": ((float, int), 0.0, "share of extra requests for a function that is not offered "
                         "(answered in text): a training curriculum, 0 for eval splits"),
 }
