@@ -51,8 +51,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["CURRICULA", "HELDOUT_BUCKETS", "TASK_OPTIONS", "TaskSchemas", "assert_disjoint", "generate_records",
-           "load_schemas", "prompt_key", "schemas_from_options", "write_jsonl"]
+__all__ = ["CURRICULA", "HELDOUT_BUCKETS", "TASK_OPTIONS", "TaskSchemas", "assert_disjoint", "check_curricula",
+           "generate_records", "load_schemas", "prompt_key", "schemas_from_options", "write_jsonl"]
 
 HELDOUT_BUCKETS = 8  # 1 in 8 user turns belongs to the held-out split
 SPLITS = ("train", "heldout")
@@ -276,18 +276,24 @@ def _bucket(record: dict) -> str:
     return "heldout" if h % HELDOUT_BUCKETS == 0 else "train"
 
 
+def check_curricula(**curricula: float) -> None:
+    """ValueError naming the curriculum whose value is out of range: the record shares must be in [0, 1)
+    (1 would leave no task record), `echo_numbers` (a share of drill values) in [0, 1]."""
+    for name, v in curricula.items():
+        if name == "echo_numbers" and not 0.0 <= v <= 1.0:
+            raise ValueError(f"tool_task: {name} must be in [0, 1], got {v}")
+        if name != "echo_numbers" and not 0.0 <= v < 1.0:
+            raise ValueError(f"tool_task: {name} must be in [0, 1), got {v}")
+
+
 def generate_record(index: int, seed: int, split: str, schemas: TaskSchemas, *, echo_share: float = 0.0,
                     unoffered_share: float = 0.0, echo_numbers: float = 0.0, check_share: float = 0.0) -> dict:
     """Record `index` of stream (`seed`, `split`): draws until the user turn lies in `split`'s bucket.
     Training curricula (0 = the task): `echo_share`, the probability of a copy-drill record (`_echo`),
     `echo_numbers` the share of its values that are integers; `unoffered_share`, of an extra request for
     a function that is not offered (answered in text); `check_share`, of an offer-check drill."""
-    for name, share in (("echo_share", echo_share), ("unoffered_share", unoffered_share),
-                        ("check_share", check_share)):
-        if not 0.0 <= share < 1.0:
-            raise ValueError(f"tool_task: {name} must be in [0, 1), got {share}")
-    if not 0.0 <= echo_numbers <= 1.0:
-        raise ValueError(f"tool_task: echo_numbers must be in [0, 1], got {echo_numbers}")
+    check_curricula(echo_share=echo_share, unoffered_share=unoffered_share, echo_numbers=echo_numbers,
+                    check_share=check_share)
     if split not in SPLITS:
         raise ValueError(f"tool_task: split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(f"clover-tool-task:{seed}:{split}:{index}")

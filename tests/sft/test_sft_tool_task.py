@@ -103,6 +103,11 @@ def test_tool_task_source_format(tmp_path):
         SourceConfig(name="task", format="tool_task", path=str(BFCL), options={"split": "eval"})
     with pytest.raises(ConfigError, match="options.value_words: must be >= 0"):
         SourceConfig(name="task", format="tool_task", path=str(BFCL), options={"value_words": -1})
+    for bad, match in (({"echo_numbers": 1.5}, r"options.echo_numbers must be in \[0, 1\], got 1.5"),
+                       ({"check_share": 1.0}, r"options.check_share must be in \[0, 1\), got 1.0"),
+                       ({"unoffered_share": -0.1}, r"options.unoffered_share must be in \[0, 1\)")):
+        with pytest.raises(ConfigError, match=f"source 'task'.*{match}"):
+            SourceConfig(name="task", format="tool_task", path=str(BFCL), options=bad)
     with pytest.raises(ValueError, match="value_words must be >= 0"):
         tt.load_schemas(str(BFCL), value_words=-1)
     with pytest.raises(ConfigError, match="file not found"):

@@ -97,6 +97,13 @@ def check_options(fmt: str, options: Mapping[str, Any], where: str) -> None:
         if fmt == "tool_task" and opts["value_words"] < 0:
             raise ConfigError(f"{where}: options.value_words: must be >= 0 (0 = whole pool values), "
                               f"got {opts['value_words']}")
+        if fmt == "tool_task":
+            from sft.data import tool_task
+
+            try:
+                tool_task.check_curricula(**{k: opts[k] for k in tool_task.CURRICULA})
+            except ValueError as e:
+                raise ConfigError(f"{where}: options.{str(e).removeprefix('tool_task: ')}") from None
 
 
 def make_converter(fmt: str, options: Mapping[str, Any], files: Sequence[Path],
