@@ -7,7 +7,9 @@ backend choice, never a numerics choice (they agree to fp32 round-off). Backends
 
 - ``splash``: JAX's TPU splash kernel (:mod:`pallas_kernels.attention_splash`);
 - ``flash``: our Pallas Triton flash kernel (:mod:`pallas_kernels.attention_flash`);
-- ``reference``: dense jnp (:mod:`pallas_kernels.attention_reference`), the CPU path and the oracle;
+- ``reference``: dense jnp (:mod:`pallas_kernels.attention_reference`'s core, the kernels' oracle),
+  scored chunk by chunk over only the keys each stream's mask can show
+  (:mod:`pallas_kernels.attention_spans`): the CPU path;
 - ``auto``: flash on GPU, splash on TPU, reference on CPU.
 
 Both kernels run the Pallas interpreter off their platform (CPU tests) and ``shard_map`` over batch
@@ -27,7 +29,8 @@ import jax
 
 from .attention_context import context_stream_attention
 from .attention_flash import flash_attention
-from .attention_reference import attend, clean_attention_ref, noisy_attention_ref
+from .attention_reference import causal_segment_mask, two_stream_masks
+from .attention_spans import attend_spans, causal_spans, noisy_spans
 from .attention_splash import Stream, splash_attention
 from .gdn_context import context_size
 
@@ -78,8 +81,13 @@ def stream_attention(
     if backend == "flash":
         return flash_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
                                interpret=interpret, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes)
-    if mask_BTS is not None:
-        return attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS)
+    # the reference: the stream's mask, scored only over the keys its rows can see (attention_spans)
+    t = q_BTHD.shape[1]
     if stream == "clean":
-        return clean_attention_ref(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT)
-    return noisy_attention_ref(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, block_size)
+        if mask_BTS is None:
+            slots = jax.lax.broadcasted_iota(segment_ids_BT.dtype, segment_ids_BT.shape, 1)
+            mask_BTS = causal_segment_mask(slots, segment_ids_BT, slots, segment_ids_BT)
+        return attend_spans(q_BTHD, k_BSKD, v_BSKD, mask_BTS, causal_spans(t))
+    if mask_BTS is None:
+        mask_BTS = two_stream_masks(segment_ids_BT, block_size)[1]
+    return attend_spans(q_BTHD, k_BSKD, v_BSKD, mask_BTS, noisy_spans(t, block_size))

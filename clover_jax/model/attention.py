@@ -30,6 +30,7 @@ from pallas_kernels.attention_reference import (  # noqa: F401  (re-exported: th
 )
 from pallas_kernels.attention_context import context_two_stream_attention
 from pallas_kernels.attention_dispatch import resolve_attn_backend, stream_attention
+from pallas_kernels.attention_spans import attend_spans, causal_spans
 from pallas_kernels.gdn_context import context_size
 from pallas_kernels.stream_layout import join_streams, split_streams
 
@@ -116,7 +117,9 @@ class Attention(nnx.Module):
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
         if cache is None and context_size() > 1:  # T sharded over the `context` mesh axis
             out = stream_attention(q, k, v, ctx["segment_ids"], stream="clean", backend=self.backend)
-        elif "mask" in ctx:  # a cache, or the reference backend: the dense mask is given
+        elif "mask" in ctx and cache is None:  # the reference backend's causal forward
+            out = attend_spans(q, k, v, ctx["mask"], causal_spans(q.shape[1]))
+        elif "mask" in ctx:  # against a cache: the dense mask is given
             out = attend(q, k, v, ctx["mask"])
         else:  # the clean forward without a cache on a kernel backend
             out = stream_attention(q, k, v, ctx["segment_ids"], stream="clean", backend=self.backend)
