@@ -29,7 +29,7 @@ import jax
 
 from .attention_context import context_stream_attention
 from .attention_flash import flash_attention
-from .attention_reference import causal_segment_mask, two_stream_masks
+from .attention_reference import clean_stream_mask, two_stream_masks
 from .attention_spans import attend_spans, causal_spans, noisy_spans
 from .attention_splash import Stream, splash_attention
 from .gdn_context import context_size
@@ -85,8 +85,7 @@ def stream_attention(
     t = q_BTHD.shape[1]
     if stream == "clean":
         if mask_BTS is None:
-            slots = jax.lax.broadcasted_iota(segment_ids_BT.dtype, segment_ids_BT.shape, 1)
-            mask_BTS = causal_segment_mask(slots, segment_ids_BT, slots, segment_ids_BT)
+            mask_BTS = clean_stream_mask(segment_ids_BT)
         return attend_spans(q_BTHD, k_BSKD, v_BSKD, mask_BTS, causal_spans(t))
     if mask_BTS is None:
         mask_BTS = two_stream_masks(segment_ids_BT, block_size)[1]

@@ -38,13 +38,19 @@ def noisy_query_mask(
     return same_doc & (clean_ok | noisy_ok)
 
 
+def clean_stream_mask(segment_ids_BT: jax.Array) -> jax.Array:
+    """[B, T, T] bool: the clean stream's (and the AR forward's) token-causal in-document mask."""
+    slots = jax.lax.broadcasted_iota(jnp.int32, segment_ids_BT.shape, 1)
+    return causal_segment_mask(slots, segment_ids_BT, slots, segment_ids_BT)
+
+
 def two_stream_masks(segment_ids_BT: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
     """(clean [B, T, T], noisy [B, T, 2T]) training masks; keys of the noisy rows are clean slots
     0..T-1 then noisy slots T..2T-1. Blocks are on the row grid (slot // block_size)."""
     b, t = segment_ids_BT.shape
     slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     start = slots - slots % block_size
-    clean = causal_segment_mask(slots, segment_ids_BT, slots, segment_ids_BT)
+    clean = clean_stream_mask(segment_ids_BT)
     both = lambda a: jnp.concatenate([a, a], axis=1)  # noqa: E731
     noisy = noisy_query_mask(start, segment_ids_BT, both(slots), both(segment_ids_BT), both(start),
                              jnp.arange(2 * t) >= t)
@@ -75,9 +81,7 @@ def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask_BTS: ja
 def clean_attention_ref(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
                         segment_ids_BT: jax.Array) -> jax.Array:
     """The clean stream (and the AR forward): token-causal within each packed document."""
-    b, t = segment_ids_BT.shape
-    slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    return attend(q_BTHD, k_BTKD, v_BTKD, causal_segment_mask(slots, segment_ids_BT, slots, segment_ids_BT))
+    return attend(q_BTHD, k_BTKD, v_BTKD, clean_stream_mask(segment_ids_BT))
 
 
 def noisy_attention_ref(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, segment_ids_BT: jax.Array,
