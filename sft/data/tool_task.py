@@ -11,9 +11,10 @@ real BFCL function schemas (``BFCL_v4_simple_python.json``: functions whose requ
   "with X" / "without X";
 - ``multi`` (30%): two such requests joined by " Then "; two calls in one assistant turn, in order;
 - ``none`` (20%): small talk that names someone (the reply greets them) or a request for a function that is not offered (the
-  reply names it: "None of the available tools can <name words>.").
+  reply names it: "None of the available tools can <name words>."); with ``unoffered_requests`` off, only small
+  talk (no record asks for a function that is missing from the list).
 
-Three options shape the task (all off by default, the task as above): ``quote_values`` writes string
+Four options shape the task (all off by default, the task as above): ``quote_values`` writes string
 values in double quotes in the user turn (``compound "Emeryville, CA"``), so a value's tokens are the
 same in the user turn and in the call's JSON (unquoted, the first word is a different token there:
 " Em" in the sentence, "Em" after the JSON quote) and its end is marked; ``value_words`` > 0 draws each
@@ -22,7 +23,10 @@ Hotel"): frequent tokens in combinations that recur rarely, so a value must be r
 ``name_tools`` has the user name the function as the tool list writes it, in double quotes (``use
 "calculate_density"``: the name's tokens are the same in the user turn, the tool list and the call,
 so whether it is offered is a match of the same tokens, not a word-to-name mapping), and a "no tool
-fits" reply names it the same way (``None of the available tools is "calculate_density".``).
+fits" reply names it the same way (``None of the available tools is "calculate_density".``);
+``unoffered_requests`` (on by default) keeps the requests for a function that is not offered among the
+"no call" turns: off, a turn that asks for a function always finds it offered, and the task measures
+reading values from the prompt, not the offer check (issue 20: a 2-core model did not learn the check).
 
 Training curricula (`CURRICULA`, keyword arguments of `generate_record(s)`; default 0: the task as
 above): copy drills (`echo_share`: the user lists 2-4 values and the reply repeats them in order;
@@ -58,7 +62,7 @@ HELDOUT_BUCKETS = 8  # 1 in 8 user turns belongs to the held-out split
 SPLITS = ("train", "heldout")
 # the options of a `tool_task` source that define the task (the study's eval prompts must use the same);
 # the training curricula (keyword arguments of `generate_record`) stay out
-TASK_OPTIONS = ("max_functions", "max_values", "value_words", "quote_values", "name_tools")
+TASK_OPTIONS = ("max_functions", "max_values", "value_words", "quote_values", "name_tools", "unoffered_requests")
 CURRICULA = ("echo_share", "echo_numbers", "unoffered_share", "check_share")
 _TYPES = ("string", "integer", "boolean")
 _WORDS = ("zero one two three four five six seven eight nine ten eleven twelve").split()
@@ -79,10 +83,11 @@ _ASK = ("Please {what} with {args}.", "Can you {what} with {args}?", "I need to 
 class TaskSchemas:
     """The function pool (tool dicts in the canonical record layout), the string-value pool (or the
     words string values are made of, when `words` is not empty), whether the user quotes them and
-    whether the user names functions as written (`name_tools`)."""
+    whether the user names functions as written (`name_tools`) and whether "no call" turns include
+    requests for a function that is not offered (`unoffered_requests`)."""
 
     def __init__(self, tools: list[dict], values: list[str], where: str, words: Sequence[str] = (),
-                 quote: bool = False, name_tools: bool = False):
+                 quote: bool = False, name_tools: bool = False, unoffered_requests: bool = True):
         if len(tools) < 4:
             raise ValueError(f"{where}: {len(tools)} eligible functions; the task needs at least 4")
         if len(values) < 8:
@@ -90,7 +95,7 @@ class TaskSchemas:
         if words and len(words) < 8:
             raise ValueError(f"{where}: {len(words)} value words in the possible answers; need at least 8")
         self.tools, self.values, self.where, self.words, self.quote = tools, values, where, list(words), quote
-        self.name_tools = name_tools
+        self.name_tools, self.unoffered_requests = name_tools, unoffered_requests
         self.by_name = {t["function"]["name"]: t for t in tools}
 
     def value(self, rng: random.Random) -> str:
@@ -125,7 +130,8 @@ def _strings(obj: Any) -> Iterable[str]:
 
 @functools.lru_cache(maxsize=8)
 def load_schemas(schema_file: str, max_functions: int = 32, max_values: int = 256, value_words: int = 0,
-                 quote_values: bool = False, name_tools: bool = False) -> TaskSchemas:
+                 quote_values: bool = False, name_tools: bool = False,
+                 unoffered_requests: bool = True) -> TaskSchemas:
     """The first `max_functions` eligible functions of a BFCL question file (JSON Lines), names
     unique (required parameters only, without descriptions: short prompts for a 2-core model),
     and the string values of the possible answers (1-3 words, <= 20 characters, starting with a letter, only letters, digits,
@@ -163,7 +169,7 @@ def load_schemas(schema_file: str, max_functions: int = 32, max_values: int = 25
     words = sorted({w for v in values for w in re.split(r"[ ,.]+", v) if _WORD_RE.fullmatch(w)})
     pool = sorted(random.Random("clover-tool-task-values").sample(pool, min(max_values, len(pool))))
     words = sorted(random.Random("clover-tool-task-words").sample(words, min(value_words, len(words))))
-    return TaskSchemas(list(tools.values()), pool, str(path), words, quote_values, name_tools)
+    return TaskSchemas(list(tools.values()), pool, str(path), words, quote_values, name_tools, unoffered_requests)
 
 
 def schemas_from_options(schema_file: str, options: Mapping[str, Any]) -> TaskSchemas:
@@ -234,6 +240,9 @@ def _check(rng: random.Random, schemas: TaskSchemas) -> dict:
 def _draw(rng: random.Random, schemas: TaskSchemas, echo_share: float = 0.0, unoffered_share: float = 0.0,
           echo_numbers: float = 0.0, check_share: float = 0.0) -> dict:
     # no extra draw at share 0: the task's streams stay as they were
+    if unoffered_share > 0 and not schemas.unoffered_requests:
+        raise ValueError(f"tool_task: unoffered_share {unoffered_share} needs unoffered_requests on (the task "
+                         f"of {schemas.where} has no requests for a function that is not offered)")
     if echo_share > 0 and rng.random() < echo_share:
         return _echo(rng, schemas, echo_numbers)
     if check_share > 0 and rng.random() < check_share:
@@ -245,7 +254,8 @@ def _draw(rng: random.Random, schemas: TaskSchemas, echo_share: float = 0.0, uno
     offered = needed + rng.sample(others, rng.randint(1, 2)) if scenario != "none" else []
     if scenario == "none":
         offered = rng.sample(others, rng.randint(2, 3))
-        if not unoffered and rng.random() < 0.5:
+        # the coin is drawn either way: small talk turns stay the same records with or without the option
+        if not unoffered and (rng.random() < 0.5 or not schemas.unoffered_requests):
             name = schemas.value(rng)
             user, reply = (s.format(v=name) for s in rng.choice(_SMALL_TALK))
         else:  # needed[0] is not offered
@@ -331,12 +341,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--value-words", type=int, default=0, help="> 0: string values are 1-3 of that many words")
     ap.add_argument("--quote-values", action="store_true", help="the user quotes string values")
     ap.add_argument("--name-tools", action="store_true", help="the user names functions as written, in quotes")
+    ap.add_argument("--no-unoffered-requests", action="store_true",
+                    help="no turn asks for a function that is not offered (the no-call turns are small talk)")
     ap.add_argument("--split", choices=SPLITS, default="heldout")
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    schemas = load_schemas(a.bfcl, a.max_functions, a.max_values, a.value_words, a.quote_values, a.name_tools)
+    schemas = load_schemas(a.bfcl, a.max_functions, a.max_values, a.value_words, a.quote_values, a.name_tools,
+                           not a.no_unoffered_requests)
     print(write_jsonl(a.out, generate_records(a.n, a.seed, a.split, schemas)))
 
 

@@ -260,6 +260,36 @@ def test_unoffered_share_adds_no_tool_turns_and_leaves_the_task_stream_alone(sch
         tt.generate_record(0, 6, "train", schemas, unoffered_share=1.0)
 
 
+def test_unoffered_requests_off_leaves_only_small_talk_as_no_call_turns(schemas):
+    """`unoffered_requests: false` (a task option, so the held-out split follows it): every request for a
+    function finds it offered and every no-call turn is small talk that greets a name from the user turn;
+    the call turns keep their share; adding unoffered turns to such a task is refused, naming the option."""
+    off = tt.load_schemas(str(BFCL), 32, 256, unoffered_requests=False)
+    for split, n in (("train", 600), ("heldout", 200)):
+        recs = tt.generate_records(n, 4, split, off)
+        assert recs == tt.generate_records(n, 4, split, tt.load_schemas(str(BFCL), 32, 256, 0, False, False, False))
+        calls = none = 0
+        for r in recs:
+            answer, offered = r["messages"][1], [t["function"]["name"] for t in r["tools"]]
+            if answer.get("tool_calls"):
+                assert all(c["function"]["name"] in offered for c in answer["tool_calls"])
+                calls += 1
+                continue
+            assert not answer["content"].startswith("None of"), answer["content"]
+            name = re.search(r"(?:Hello|welcome,|morning,) (.+?)[!]", answer["content"]).group(1)
+            assert name in r["messages"][0]["content"]
+            none += 1
+        assert 0.72 < calls / n < 0.88 and 0.12 < none / n < 0.28, (calls, none)
+    on = tt.generate_records(600, 4, "train", schemas)
+    assert sum(r["messages"][1].get("content", "").startswith("None of") for r in on) > 30  # the default has them
+    with pytest.raises(ValueError, match="unoffered_share 0.2 needs unoffered_requests on"):
+        tt.generate_record(0, 4, "train", off, unoffered_share=0.2)
+    with pytest.raises(ConfigError, match="source 'task'.*options.unoffered_share.*unoffered_requests is off"):
+        SourceConfig(name="task", format="tool_task", path=str(BFCL),
+                     options={"unoffered_share": 0.2, "unoffered_requests": False})
+    assert "unoffered_requests" in tt.TASK_OPTIONS
+
+
 def test_offer_check_drills_answer_from_the_offered_list(schemas):
     """`check_share`: about that share of records ask whether a named function is offered; the reply is
     "Yes." exactly when it is among the record's tools (half and half); 0 leaves the stream alone; the

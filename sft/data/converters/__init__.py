@@ -54,6 +54,8 @@ OPTIONS["tool_task"] = {
     "value_words": (int, 0, "> 0: string values are 1-3 words of a fixed sample of that many answer words"),
     "quote_values": (bool, False, "the user turn writes string values in double quotes"),
     "name_tools": (bool, False, "the user names the function as the tool list writes it, in double quotes"),
+    "unoffered_requests": (bool, True, "\"no call\" turns include requests for a function that is not offered "
+                           "(off: only small talk; a requested function is always offered)"),
     "echo_share": ((float, int), 0.0, "share of copy-drill records (the user lists 2-4 values, the reply "
                    "repeats them): a training curriculum, 0 for eval splits"),
     "echo_numbers": ((float, int), 0.0, "share of copy-drill values that are 2-3 digit integers (0-1)"),
@@ -104,6 +106,9 @@ def check_options(fmt: str, options: Mapping[str, Any], where: str) -> None:
                 tool_task.check_curricula(**{k: opts[k] for k in tool_task.CURRICULA})
             except ValueError as e:
                 raise ConfigError(f"{where}: options.{str(e).removeprefix('tool_task: ')}") from None
+            if opts["unoffered_share"] > 0 and not opts["unoffered_requests"]:
+                raise ConfigError(f"{where}: options.unoffered_share: {opts['unoffered_share']} adds requests for a "
+                                  f"function that is not offered, but unoffered_requests is off")
 
 
 def make_converter(fmt: str, options: Mapping[str, Any], files: Sequence[Path],
