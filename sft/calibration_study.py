@@ -7,7 +7,10 @@ section; `launch.py calibrate` hands it here).
 2. one model per training block size and one on the mix, each `sft.recipe.run_sft` of the study's
    recipe with `model.block_size` set (a list for the mix) under ``<runs_dir>/train_<B>``; a model
    whose HF export exists is not trained again, and an interrupted training resumes from its
-   checkpoints;
+   checkpoints. With `store_dir` (the repo's ``models/calibration_study``), each export is also kept
+   there with the resolved recipe it was trained by (`study_model.json`), and a stored model whose
+   recipe matches is used instead of training: ``runs/`` is scratch, the stored models are what lets
+   the study be rerun in minutes on a fresh checkout (a recipe that differs is an error naming the key);
 3. per model: the post-hoc gamma fit for every decode block size on the calibration split
    (`calibrate --fit`), the sweep (decode sizes x thresholds x {learned, gamma=0}, AR first) and a
    sweep of each fitted checkpoint at its own size; each writes its results.json and is skipped
@@ -51,6 +54,7 @@ class StudyConfig:
     quality: str = "bfcl_accuracy"
     report_threshold: float = 0.9
     report_dir: str = "docs/calibration_study"
+    store_dir: str | None = None  # trained models kept (with their recipe) for fresh checkouts; None = runs only
     calibrate: dict[str, Any] = field(default_factory=dict)  # base CalibrateConfig tree of every sweep
 
 
@@ -108,6 +112,59 @@ def _rows(results: Path, trained: Any, calibration: str | None = None) -> list[d
     return [{**r, "trained": trained, **({"calibration": calibration} if calibration else {})} for r in rows]
 
 
+# what a stored model's recipe may differ in: where it wrote, how often it checkpointed or logged, where
+# this machine keeps the data and caches (source paths are compared by file name)
+_RECIPE_IGNORED = ("logging", "checkpoint", "export", "data_root", "staging_dir", "devices", "count_flops")
+
+
+def _recipe_tree(cfg: StudyConfig, sizes: tuple[int, ...]) -> dict[str, Any]:
+    """The resolved training config of the model trained at `sizes` (the recipe as `train` runs it),
+    without the sections that only say where and how often it wrote."""
+    from clover_jax.yaml_config import to_tree
+    from sft.config import load_sft_config
+
+    size = sizes[0] if len(sizes) == 1 else f"[{', '.join(map(str, sizes))}]"
+    tree = to_tree(load_sft_config(cfg.recipe, [*cfg.recipe_overrides, f"model.block_size={size}"]))
+    for src in tree["data"]["sources"]:
+        src["path"] = src["path"] and Path(src["path"]).name
+    return json.loads(json.dumps({k: v for k, v in tree.items() if k not in _RECIPE_IGNORED}, default=str))
+
+
+def _first_difference(a: Any, b: Any, key: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            d = _first_difference(a.get(k), b.get(k), f"{key}.{k}" if key else k)
+            if d:
+                return d
+        return None
+    return None if a == b else f"{key}: stored {a!r}, recipe now {b!r}"
+
+
+def _stored_model(stored: Path, recipe: dict[str, Any]) -> bool:
+    """True when `stored` holds an export trained by `recipe`; ConfigError naming the first key where
+    its recorded recipe differs (a stale model must not be measured as the recipe's)."""
+    meta = stored / "study_model.json"
+    if not (meta.is_file() and (stored / "config.json").is_file()):
+        return False
+    diff = _first_difference(json.loads(meta.read_text())["recipe"], recipe)
+    if diff:
+        raise ConfigError(f"{stored}: this stored model was trained by another recipe ({diff}); delete the folder "
+                          f"to train it again, or set study.store_dir to another place")
+    return True
+
+
+def _store_model(hf: Path, stored: Path, recipe: dict[str, Any]) -> None:
+    """Copies the export `hf` to `stored` with its recipe, atomically (a partial copy never looks stored)."""
+    import shutil
+
+    tmp = stored.with_name(stored.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(hf, tmp)
+    (tmp / "study_model.json").write_text(json.dumps({"recipe": recipe}, indent=1, sort_keys=True) + "\n")
+    shutil.rmtree(stored, ignore_errors=True)
+    tmp.rename(stored)
+
+
 def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callable[[str], None] = print) -> Path:
     """Steps 1-4 of the module docstring; returns the report's path."""
     from clover_jax.decoding.study_report import write_report
@@ -123,9 +180,16 @@ def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callabl
     for name, sizes in models:
         run = runs / f"train_{name}"
         hf = run / "hf"
-        if not (hf / "config.json").is_file():
+        stored = Path(cfg.store_dir) / str(name) if cfg.store_dir else None
+        recipe = _recipe_tree(cfg, sizes) if stored else None
+        if stored is not None and _stored_model(stored, recipe):
+            hf = stored
+        elif not (hf / "config.json").is_file():
             print_fn(f"study: training the block {name} model ({run})")
             hf = steps.train(run, sizes)
+        if stored is not None and hf != stored:
+            _store_model(hf, stored, recipe)
+            print_fn(f"study: stored the block {name} model in {stored}")
         if not (run / "fit" / "fit" / "fit.json").is_file():
             steps.fit(hf, run / "fit", cal, cfg.decode_block_sizes)
         sweep = run / "sweep"

@@ -33,12 +33,14 @@ def _steps(calls: list, fail_train: set | None = None) -> Steps:
 
     def fit(hf, out, cal, sizes):
         calls.append(("fit", out.parent.name))
-        (out / "fit").mkdir(parents=True, exist_ok=True)
+        for k in sizes:  # a fitted checkpoint per size, of the model it was fitted on
+            (out / "fit" / f"block{k}").mkdir(parents=True, exist_ok=True)
+            (out / "fit" / f"block{k}" / "config.json").write_text((Path(hf) / "config.json").read_text())
         (out / "fit" / "fit.json").write_text("{}")
 
     def sweep(hf, out, ev, sizes, thresholds, cals):
-        calls.append(("sweep", out.parent.name, out.name))
-        trained = json.loads((out.parent / "hf" / "config.json").read_text())["sizes"]
+        calls.append(("sweep", out.parent.name, out.name, str(hf)))
+        trained = json.loads((Path(hf) / "config.json").read_text())["sizes"]
         rows = [_row("ar", 1, thresholds[0], "learned", 0.97)]
         for k in sizes:
             for th in thresholds:
@@ -105,3 +107,39 @@ def test_eval_prompts_draw_from_the_recipes_task(tmp_path):
     assert len(strings) > 20 and {v for v, _ in strings} <= pool
     assert all(f'"{v}"' in user for v, user in strings)
     assert not any((r["messages"][1].get("content") or "").startswith(("Noted: ", "I will remember ")) for r in recs)
+
+
+def test_stored_models_stand_in_for_training_on_a_fresh_checkout(tmp_path):
+    """`store_dir`: each trained export is kept with the recipe that trained it; with the scratch runs
+    gone (a fresh checkout), the study trains nothing and measures the stored models; a stored model
+    whose recipe differs from the study's is refused, naming the key; a copy cut short never counts."""
+    from clover_jax.yaml_config import ConfigError
+
+    def cfg(runs, *overrides):
+        return StudyConfig(recipe=str(ROOT / "configs" / "research_tool.yaml"), recipe_overrides=overrides,
+                           runs_dir=str(tmp_path / runs), train_block_sizes=(8, 32), mix=(), bfcl=str(BFCL),
+                           eval_n=20, calibration_n=8, decode_block_sizes=(8, 32), thresholds=(0.9,),
+                           quality="validity", report_dir=str(tmp_path / "report"), store_dir=str(tmp_path / "store"))
+
+    calls: list = []
+    run_study(cfg("runs1"), _steps(calls), command="cmd", print_fn=lambda s: None)
+    assert [c for c in calls if c[0] == "train"] == [("train", "train_8"), ("train", "train_32")]
+    for b in (8, 32):
+        meta = json.loads((tmp_path / "store" / str(b) / "study_model.json").read_text())["recipe"]
+        assert meta["model"]["overrides"]["block_size"] == b and meta["train"]["steps"] == 3000
+        assert meta["data"]["sources"][0]["path"] == "BFCL_v4_simple_python.json"  # no machine's absolute path
+        assert json.loads((tmp_path / "store" / str(b) / "config.json").read_text())["sizes"] == [b]
+    assert not list((tmp_path / "store").glob("*.partial"))
+
+    calls.clear()  # a fresh checkout: new scratch dir, same store -> fit and sweep the stored models only
+    run_study(cfg("runs2"), _steps(calls), command="cmd", print_fn=lambda s: None)
+    assert not [c for c in calls if c[0] == "train"]
+    assert {c[3] for c in calls if c[0] == "sweep" and c[2] == "sweep"} == {str(tmp_path / "store" / "8"),
+                                                                           str(tmp_path / "store" / "32")}
+    with pytest.raises(ConfigError, match=r"store/8: this stored model was trained by another recipe "
+                                          r"\(train.steps: stored 3000, recipe now 10\)"):
+        run_study(cfg("runs3", "train.steps=10"), _steps([]), command="cmd", print_fn=lambda s: None)
+    (tmp_path / "store" / "32" / "study_model.json").unlink()  # as if the copy had been cut short
+    calls.clear()
+    run_study(cfg("runs4"), _steps(calls), command="cmd", print_fn=lambda s: None)
+    assert [c for c in calls if c[0] == "train"] == [("train", "train_32")]
