@@ -189,6 +189,7 @@ def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callabl
             hf = steps.train(run, sizes)
         if stored is not None and hf != stored:
             _store_model(hf, stored, recipe)
+            hf = stored  # measured from the stored copy, as a fresh checkout will
             print_fn(f"study: stored the block {name} model in {stored}")
         if not (run / "fit" / "fit" / "fit.json").is_file():
             steps.fit(hf, run / "fit", cal, cfg.decode_block_sizes)

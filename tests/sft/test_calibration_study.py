@@ -130,6 +130,8 @@ def test_stored_models_stand_in_for_training_on_a_fresh_checkout(tmp_path):
         assert meta["data"]["sources"][0]["path"] == "BFCL_v4_simple_python.json"  # no machine's absolute path
         assert json.loads((tmp_path / "store" / str(b) / "config.json").read_text())["sizes"] == [b]
     assert not list((tmp_path / "store").glob("*.partial"))
+    assert {c[3] for c in calls if c[0] == "sweep" and c[2] == "sweep"} == {str(tmp_path / "store" / "8"),
+                                                                           str(tmp_path / "store" / "32")}
 
     calls.clear()  # a fresh checkout: new scratch dir, same store -> fit and sweep the stored models only
     run_study(cfg("runs2"), _steps(calls), command="cmd", print_fn=lambda s: None)
