@@ -131,8 +131,10 @@ def _recipe_tree(cfg: StudyConfig, sizes: tuple[int, ...]) -> dict[str, Any]:
 
 
 def _first_difference(a: Any, b: Any, key: str = "") -> str | None:
+    """The first key where the stored recipe `a` and the recipe now `b` differ. A key the stored recipe
+    lacks is a config field added after that model was trained: its default keeps the old behaviour."""
     if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
+        for k in sorted(a):
             d = _first_difference(a.get(k), b.get(k), f"{key}.{k}" if key else k)
             if d:
                 return d

@@ -141,6 +141,13 @@ def test_stored_models_stand_in_for_training_on_a_fresh_checkout(tmp_path):
     with pytest.raises(ConfigError, match=r"store/8: this stored model was trained by another recipe "
                                           r"\(train.steps: stored 3000, recipe now 10\)"):
         run_study(cfg("runs3", "train.steps=10"), _steps([]), command="cmd", print_fn=lambda s: None)
+    meta = tmp_path / "store" / "8" / "study_model.json"  # a config field added after training: not a change
+    recipe = json.loads(meta.read_text())
+    del recipe["recipe"]["train"]["eval_steps"]
+    meta.write_text(json.dumps(recipe))
+    calls.clear()
+    run_study(cfg("runs2"), _steps(calls), command="cmd", print_fn=lambda s: None)
+    assert calls == []
     (tmp_path / "store" / "32" / "study_model.json").unlink()  # as if the copy had been cut short
     calls.clear()
     run_study(cfg("runs4"), _steps(calls), command="cmd", print_fn=lambda s: None)
