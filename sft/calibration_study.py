@@ -55,6 +55,7 @@ class StudyConfig:
     report_threshold: float = 0.9
     report_dir: str = "docs/calibration_study"
     store_dir: str | None = None  # trained models kept (with their recipe) for fresh checkouts; None = runs only
+    train_only: bool = False  # step 2 only: train (and store) what is missing, measure nothing
     calibrate: dict[str, Any] = field(default_factory=dict)  # base CalibrateConfig tree of every sweep
 
 
@@ -167,8 +168,30 @@ def _store_model(hf: Path, stored: Path, recipe: dict[str, Any]) -> None:
     tmp.rename(stored)
 
 
-def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callable[[str], None] = print) -> Path:
-    """Steps 1-4 of the module docstring; returns the report's path."""
+def _trained_model(cfg: StudyConfig, runs: Path, name: Any, sizes: tuple[int, ...], steps: Steps,
+                   print_fn: Callable[[str], None]) -> Path:
+    """The export of the model trained at `sizes`: the stored one when its recipe matches, else the run's
+    (trained now if missing), stored when `store_dir` is set; measured from the stored copy."""
+    run = runs / f"train_{name}"
+    hf = run / "hf"
+    stored = Path(cfg.store_dir) / str(name) if cfg.store_dir else None
+    recipe = _recipe_tree(cfg, sizes) if stored else None
+    if stored is not None and _stored_model(stored, recipe):
+        return stored
+    if not (hf / "config.json").is_file():
+        print_fn(f"study: training the block {name} model ({run})")
+        hf = steps.train(run, sizes)
+    if stored is not None:
+        _store_model(hf, stored, recipe)
+        print_fn(f"study: stored the block {name} model in {stored}")
+        return stored  # measured from the stored copy, as a fresh checkout will
+    return hf
+
+
+def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callable[[str], None] = print
+              ) -> Path | None:
+    """Steps 1-4 of the module docstring; returns the report's path (None with `train_only`: the
+    models are trained first, e.g. over several sessions, and measured by a later run)."""
     from clover_jax.decoding.study_report import write_report
 
     runs = Path(cfg.runs_dir)
@@ -179,20 +202,14 @@ def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callabl
         models.append(("mix", tuple(cfg.mix)))
     rows: list[dict[str, Any]] = []
     cals = ({}, {"gamma": 0.0})
+    if cfg.train_only:
+        for name, sizes in models:
+            _trained_model(cfg, runs, name, sizes, steps, print_fn)
+        print_fn(f"study: {len(models)} models trained (train_only: nothing measured)")
+        return None
     for name, sizes in models:
         run = runs / f"train_{name}"
-        hf = run / "hf"
-        stored = Path(cfg.store_dir) / str(name) if cfg.store_dir else None
-        recipe = _recipe_tree(cfg, sizes) if stored else None
-        if stored is not None and _stored_model(stored, recipe):
-            hf = stored
-        elif not (hf / "config.json").is_file():
-            print_fn(f"study: training the block {name} model ({run})")
-            hf = steps.train(run, sizes)
-        if stored is not None and hf != stored:
-            _store_model(hf, stored, recipe)
-            hf = stored  # measured from the stored copy, as a fresh checkout will
-            print_fn(f"study: stored the block {name} model in {stored}")
+        hf = _trained_model(cfg, runs, name, sizes, steps, print_fn)
         if not (run / "fit" / "fit" / "fit.json").is_file():
             steps.fit(hf, run / "fit", cal, cfg.decode_block_sizes)
         sweep = run / "sweep"

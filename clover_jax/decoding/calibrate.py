@@ -192,7 +192,7 @@ def run_setting(model, tok, examples: list[EvalExample], dcfg: DecodeConfig, eos
     """Decodes every example with `dcfg`; returns (aggregate row, per-example records)."""
     decoder = Decoder(model, dcfg.replace(history_stats=history), eos_ids=eos,
                       vocab_limit=resolve_vocab_limit(dcfg, model.cfg, tok))
-    gens, wall, ttft, hist = [], 0.0, [], []
+    gens, wall, ttft, hist, pos = [], 0.0, [], [], []
     for s in range(0, len(examples), batch_size):
         out = decoder.generate([e.prompt_ids for e in examples[s: s + batch_size]])
         gens += out.generations
@@ -200,6 +200,7 @@ def run_setting(model, tok, examples: list[EvalExample], dcfg: DecodeConfig, eos
         ttft.append(out.stats["ttft_s"])
         if "history_share" in out.stats:
             hist.append(out.stats["history_share"])
+            pos.append((out.stats["history_share_by_position"], out.stats["history_tokens_by_position"]))
     per = []
     for i, (ex, g) in enumerate(zip(examples, gens)):
         m = _metrics(tok, ex, g.token_ids, eos, ar_outputs[i] if ar_outputs is not None else None)
@@ -233,7 +234,27 @@ def run_setting(model, tok, examples: list[EvalExample], dcfg: DecodeConfig, eos
         share = np.mean(np.asarray(hist, np.float64), axis=0)
         row.update({f"history_share_L{j}": float(v) for j, v in enumerate(share)})
         row["history_share_mean"] = float(np.mean(share))
+        # per GDN layer and position inside the block, pooled over batches by token count (JSON only)
+        n_K = np.sum([np.asarray(n, np.float64) for _, n in pos], axis=0)
+        s_LK = np.sum([np.nan_to_num(np.asarray(m, np.float64)) * np.asarray(n, np.float64) for m, n in pos], axis=0)
+        row["history_share_by_position"] = np.where(n_K > 0, s_LK / np.maximum(n_K, 1.0), np.nan).tolist()
     return row, per
+
+
+def history_position_table(rows: list[dict]) -> list[dict]:
+    """The long table of the rows' `history_share_by_position` ([GDN layer][position]): one record per
+    (setting, GDN layer, position inside the block) with the setting's block size, threshold and
+    calibration; positions no real token reached are left out."""
+    out = []
+    for i, r in enumerate(rows):
+        share = r.get("history_share_by_position")
+        if not isinstance(share, list):
+            continue
+        for layer, per_k in enumerate(share):
+            out += [{"setting": i, "mode": r["mode"], "block_size": r["block_size"], "threshold": r["threshold"],
+                     "alpha_scale": r["alpha_scale"], "beta_shift": r["beta_shift"], "gamma": r["gamma"],
+                     "gdn_layer": layer, "position": k, "share": v} for k, v in enumerate(per_k) if v == v]
+    return out
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -337,9 +358,12 @@ def pareto_front(rows: list[dict], quality: str) -> list[dict]:
 
 # -- the command -------------------------------------------------------------------------------
 def _write_csv(path: Path, rows: list[dict]) -> None:
-    cols = list(dict.fromkeys(k for r in rows for k in r))
+    """Scalar columns only (list values, e.g. `history_share_by_position`, live in results.json and
+    `history_position.csv`)."""
+    lists = {k for r in rows for k, v in r.items() if isinstance(v, list)}
+    cols = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in lists]
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, restval="")
+        w = csv.DictWriter(f, fieldnames=cols, restval="", extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
 
@@ -397,6 +421,9 @@ def run_calibrate(cfg: CalibrateConfig, *, generate_record: RecordGenerator | No
     if loss_rows:
         _write_csv(out / "loss.csv", loss_rows)
     _write_csv(out / "scalars.csv", scal)
+    by_position = history_position_table(rows)
+    if by_position:
+        _write_csv(out / "history_position.csv", by_position)
     from clover_jax.yaml_config import to_tree
 
     front = pareto_front(rows, cfg.sweep.quality_metric)
@@ -434,5 +461,5 @@ def _json_default(o: Any) -> Any:
 
 
 __all__ = ["CalibOverride", "CalibrateConfig", "EvalSetConfig", "LossEvalConfig", "SweepConfig", "build_examples",
-           "block_logits_fn", "eval_records", "load_calibrate_config", "masked_loss_table", "pareto_front", "run_calibrate",
+           "block_logits_fn", "eval_records", "load_calibrate_config", "masked_loss_table", "history_position_table", "pareto_front", "run_calibrate",
            "run_setting", "scalar_table", "settings"]

@@ -6,6 +6,8 @@
   labelled by threshold, the AR baseline as a star;
 - `history_share.png`: mean softmax share of the history unit vs block size, one line per GDN layer
   (only when the sweep recorded it);
+- `history_position.png`: that share vs the position inside the block (as a fraction of the block),
+  one panel per GDN layer, one line per block size (learned calibration, mean over thresholds);
 - `loss_vs_t.png`: masked-token loss vs noise level t, one line per block size;
 - `scalars.png`: learned alpha, beta, gamma per GDN layer (x) and head (one marker per head).
 """
@@ -102,6 +104,7 @@ def write_plots(out: Path, rows: list[dict[str, Any]], loss_rows: list[dict[str,
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         written.append(_save(fig, out / "history_share.png"))
+        written += _history_position_plot(out, rows)
 
     if loss_rows:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -127,6 +130,35 @@ def write_plots(out: Path, rows: list[dict[str, Any]], loss_rows: list[dict[str,
             ax.grid(alpha=0.3)
         written.append(_save(fig, out / "scalars.png"))
     return written
+
+
+def _history_position_plot(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
+    import warnings
+
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    pos = [r for r in rows if isinstance(r.get("history_share_by_position"), list) and calibration_label(r) == "learned"]
+    if not pos:
+        return []
+    n_layers = len(pos[0]["history_share_by_position"])
+    sizes = sorted({r["block_size"] for r in pos})
+    colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, len(sizes)))
+    fig, axes = plt.subplots(1, n_layers, figsize=(4.2 * n_layers, 3.6), squeeze=False, sharey=True)
+    for layer, ax in enumerate(axes[0]):
+        for color, k in zip(colors, sizes):
+            per = np.stack([np.asarray(r["history_share_by_position"][layer], np.float64)
+                            for r in pos if r["block_size"] == k])
+            with warnings.catch_warnings():  # a position no token reached is NaN in every row: a gap
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean = np.nanmean(per, axis=0)
+            ax.plot((np.arange(k) + 0.5) / k, mean, "o-", ms=3, color=color, label=f"block {k}")
+        ax.set_xlabel("position in the block (fraction of its size)")
+        ax.set_title(f"GDN layer {layer}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("history-unit softmax share")
+    axes[0][-1].legend(fontsize=7)
+    return [_save(fig, out / "history_position.png")]
 
 
 __all__ = ["QUALITY_LABELS", "calibration_label", "quality_series", "write_plots"]

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.decoding.loops import LoopSpec, Loops
+from clover_jax.decoding.loops import LoopSpec, Loops, init_history
 from clover_jax.model.clover_model import PAD_SEGMENT, CloverModel
 
 MODES = ("threshold", "ar", "self_speculative")
@@ -444,8 +444,13 @@ class Decoder:
                "wall_s": wall, "ttft_s": ttft, "tokens_per_s": tot_tokens / max(wall, 1e-9),
                "s_per_token": wall / max(tot_tokens, 1)}
         if self.history:
-            cnt = float(c["hist_cnt"])
-            agg["history_share"] = [float(x) / cnt if cnt else float("nan") for x in c["hist_sum"]]
+            h = jax.device_get(c["hist"])
+            cnt = float(h["cnt"])
+            agg["history_share"] = [float(x) / cnt if cnt else float("nan") for x in h["sum"]]
+            # per GDN layer, per position inside the block (NaN where no real token was there)
+            agg["history_share_by_position"] = [[float(s) / n if n else float("nan") for s, n in zip(row, h["pos_cnt"])]
+                                                for row in h["pos_sum"]]
+            agg["history_tokens_by_position"] = [float(n) for n in h["pos_cnt"]]
         return DecodeOutput(gens, agg)
 
     # -- device side -----------------------------------------------------------------------------
@@ -466,7 +471,6 @@ class Decoder:
             carry["next_logits"] = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
             carry["limit"] = jnp.asarray(lay.block, jnp.int32)
         if self.history:
-            carry["hist_sum"] = jnp.zeros((self.n_gdn,), jnp.float32)
-            carry["hist_cnt"] = jnp.zeros((), jnp.float32)
+            carry["hist"] = init_history(self.n_gdn, self.block)
         return carry
 

@@ -8,7 +8,7 @@ counters `nfe`, `steps`, `commits`, `blocks`, `rejections` [B], `forwards` () ba
 `commit_step` [B, S] (the row's denoising step that committed each slot, -1 none), `next_ar` [B]
 (the token chosen for the slot at `index` from the last clean pass's logits: the AR argmax at
 temperature 0, a draw otherwise; penalised and suppressed like a step), `key`, and `cache` (not in
-recompute mode), `next_logits` [B, V] (AR mode), `hist_sum` / `hist_cnt` (history stats).
+recompute mode), `next_logits` [B, V] (AR mode), `hist` (history stats: `init_history`).
 consts: `segment_ids`, `positions` [B, S], `gen_start` [B] (first generated slot), `max_new` (),
 `threshold` (), `eos_ids` [E] (-1 padded), `temperature`, `top_k`, `top_p`, `repetition_penalty` ()
 (traced, so one program serves every sampling setting), `prefill_rows` [B] (the row has prompt
@@ -57,6 +57,20 @@ class LoopSpec:
 #: XLA options of `DecodeConfig.fast_compile`: the LLVM backend without its optimisation passes
 #: compiles the decode loops ~4x faster on CPU and runs them slower (same HLO, same results).
 FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def init_history(n_gdn: int, block: int) -> Carry:
+    """History-unit stats summed over denoising forwards: `sum` [n_gdn] of each forward's mean share
+    per GDN layer and `cnt` () forwards; `pos_sum` [n_gdn, K] the share summed per canvas position
+    over the (forward, row) pairs where it is a real token and `pos_cnt` [K] their count."""
+    return {"sum": jnp.zeros((n_gdn,), jnp.float32), "cnt": jnp.zeros((), jnp.float32),
+            "pos_sum": jnp.zeros((n_gdn, block), jnp.float32), "pos_cnt": jnp.zeros((block,), jnp.float32)}
+
+
+def accumulate_history(hist: Carry, stats: dict[str, jax.Array]) -> Carry:
+    """`hist` (`init_history`) plus one `block_step(..., return_stats=True)`'s stats."""
+    return {"sum": hist["sum"] + stats["history_share"], "cnt": hist["cnt"] + 1.0,
+            "pos_sum": hist["pos_sum"] + stats["history_share_sum"], "pos_cnt": hist["pos_cnt"] + stats["history_tokens"]}
 
 
 class Loops:
@@ -108,7 +122,7 @@ class Loops:
 
     def _denoise_logits(self, model, carry: Carry, consts: Carry, canvas: jax.Array):
         """One block-mode forward of `canvas` [B, K] at slots [index, index + K) -> (logits [B,K,V],
-        history share per GDN layer or None)."""
+        history-unit stats of `block_step` or None)."""
         idx = carry["index"]
         if self.spec.recompute:  # the training forward over the whole buffer (debug oracle)
             toks = self._put(carry["tokens"], canvas, idx)
@@ -118,7 +132,7 @@ class Loops:
         kw = dict(positions=self._blk(consts["positions"], idx), segment_ids=self._blk(consts["segment_ids"], idx))
         if self.spec.history:
             logits, st = model.block_step(canvas, carry["cache"], return_stats=True, **kw)
-            return logits, jnp.asarray(st["history_share"], jnp.float32)
+            return logits, st
         return model.block_step(canvas, carry["cache"], **kw), None
 
     def _clean_pass(self, model, carry: Carry, consts: Carry, block_ids: jax.Array):
@@ -178,14 +192,13 @@ class Loops:
                        cstep=jnp.where(commit, steps[:, None], c["cstep"]), steps=steps,
                        nfe=c["nfe"] + active, forwards=c["forwards"] + 1, i=c["i"] + 1, key=key)
             if hist is not None:
-                out["hist_sum"] = c["hist_sum"] + hist
-                out["hist_cnt"] = c["hist_cnt"] + 1.0
+                out["hist"] = accumulate_history(c["hist"], hist)
             return out
 
         init = {"canvas": canvas, "cstep": cstep, "steps": carry["steps"], "nfe": carry["nfe"],
                 "forwards": carry["forwards"], "i": jnp.zeros((), jnp.int32), "key": carry["key"]}
         if sp.history:
-            init["hist_sum"], init["hist_cnt"] = carry["hist_sum"], carry["hist_cnt"]
+            init["hist"] = carry["hist"]
         return lax.while_loop(cond, body, init)
 
     def _finish_block(self, carry: Carry, consts: Carry, needed, prev, canvas, cstep) -> Carry:
@@ -207,7 +220,7 @@ class Loops:
     def _with_counters(self, carry: Carry, d: Carry) -> Carry:
         out = dict(carry, steps=d["steps"], nfe=d["nfe"], forwards=d["forwards"], key=d["key"])
         if self.spec.history:
-            out["hist_sum"], out["hist_cnt"] = d["hist_sum"], d["hist_cnt"]
+            out["hist"] = d["hist"]
         return out
 
     # -- prefill --------------------------------------------------------------------------------
@@ -309,7 +322,7 @@ class Loops:
                        commits=r["commits"] + being, rejections=r["rejections"] + (being & ~ok),
                        next_ar=jnp.where(all_ok, after, r["next_ar"]))
             if sp.history:
-                out["hist_sum"], out["hist_cnt"] = d["hist_sum"], d["hist_cnt"]
+                out["hist"] = d["hist"]
             if not sp.recompute:
                 out["cache"] = jax.tree.map(lambda a, b: jnp.where(all_ok, a, b), new_cache, r["cache"])
             return out
@@ -319,7 +332,7 @@ class Loops:
                 "steps": carry["steps"], "nfe": carry["nfe"], "forwards": carry["forwards"], "key": carry["key"],
                 "commits": carry["commits"], "rejections": carry["rejections"], "next_ar": carry["next_ar"]}
         if sp.history:
-            init["hist_sum"], init["hist_cnt"] = carry["hist_sum"], carry["hist_cnt"]
+            init["hist"] = carry["hist"]
         if not sp.recompute:
             init["cache"] = carry["cache"]
         r = lax.while_loop(cond, body, init)

@@ -155,7 +155,16 @@ def write_report(out: Path, rows: list[dict[str, Any]], *, quality: str, thresho
     for c in s["recovery"]:
         lines += [f"## Share of the penalty recovered by {c}", "", *_matrix_md(recovery(rows, quality, threshold, c),
                                                                                   "{:+.0%}"), ""]
-    lines += ["## Quality vs tokens per forward", "", *[f"![{p}]({p})" for p in plots], ""]
+    if any("history_share_mean" in r for r in rows if r["mode"] == "threshold"):
+        share = _quality([r for r in rows if isinstance(r.get("history_share_mean"), float)], "history_share_mean",
+                         threshold, "learned")
+        lines += [f"## History-unit softmax share (mean over GDN layers and canvas tokens, threshold {threshold:g}, "
+                  "learned calibration)", "", *_matrix_md(share, "{:.3f}"), "",
+                  "Per GDN layer vs block size: `trained_<B>/history_share.png`; vs the position inside the block: "
+                  "`trained_<B>/history_position.png` (below).", ""]
+    lines += ["## Plots per trained model", "", "Quality vs tokens per forward (one series per decode block size and "
+              "calibration, points labelled by threshold, AR as a star), the history-unit share per layer vs block "
+              "size and vs the position inside the block.", "", *[f"![{p}]({p})" for p in plots], ""]
     md = out / "calibration_study.md"
     md.write_text("\n".join(lines))
     return md

@@ -275,8 +275,11 @@ class CloverModel(nnx.Module):
         commit pass, `extend`, writes the finished block). The block size is the canvas length.
         Returns fp32 logits [B, Bk, V] predicting every canvas position (after the logit shift);
         they equal the training forward's noisy logits of that block (the central invariant).
-        With `return_stats`, also {"history_share": [num GDN layers] mean softmax probability of the
-        history unit per GDN layer (model order) over the canvas' non-pad tokens and heads}."""
+        With `return_stats`, also the history unit's softmax probability per GDN layer (model order),
+        mean over heads: {"history_share": [n_gdn] its mean over the canvas' non-pad tokens,
+        "history_share_sum": [n_gdn, Bk] its sum per canvas position over the rows where that position
+        is a non-pad token, "history_tokens": [Bk] the count of those rows} (position means =
+        sum / tokens: the share vs the position inside the block)."""
         self._require_block_mode("block_step")
         cfg = self.cfg
         b, bk = canvas_ids_BK.shape
@@ -308,9 +311,12 @@ class CloverModel(nnx.Module):
         logits = self.logits(h)
         if not return_stats:
             return logits
-        share = aux["history_share"].reshape(cfg.num_hidden_layers)  # [G, p] -> model order
+        share_LK = aux["history_share"].reshape(cfg.num_hidden_layers, bk)  # [G, p, Bk] -> model order
         gdn_layers = [i for i, t in enumerate(cfg.layer_types) if t != "full_attention"]
-        return logits, {"history_share": share[jnp.asarray(gdn_layers)]}
+        share_LK = share_LK[jnp.asarray(gdn_layers)]
+        tokens_K = jnp.sum((seg != PAD_SEGMENT).astype(jnp.float32), axis=0)
+        return logits, {"history_share": jnp.sum(share_LK, axis=1) / jnp.maximum(jnp.sum(tokens_K), 1.0),
+                        "history_share_sum": share_LK, "history_tokens": tokens_K}
 
 
 class _Embedding(nnx.Module):

@@ -267,7 +267,8 @@ class GatedDeltaNet(nnx.Module):
     def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]
                    ) -> tuple[jax.Array, jax.Array]:
         """Decode side: one noisy canvas [B, Bk, D] against the clean caches (read only) -> ([B, Bk, D],
-        mean softmax share of the history unit over the canvas' non-pad tokens and heads).
+        share_K [Bk]: per canvas position, the history unit's softmax share (mean over heads) summed
+        over the rows where that position is a real token; `CloverModel.block_step` divides).
         `ctx`: `segment_ids` [B, Bk], `ring_segment_ids` [B, L], `continues` [B, Bk] (token continues
         the cached document, so the history unit is present)."""
         c = self.cfg
@@ -282,9 +283,9 @@ class GatedDeltaNet(nnx.Module):
         o, p_hist = pallas_kernels.block_readout_ref(
             add_n(q), add_n(k), add_n(v), cache["state"][:, None], same_doc[:, None], add_n(ctx["continues"]),
             self.bd_gdn_softmax_scalars[...], bk, return_history_prob=True)
-        real = (seg != 0)[:, :, None].astype(jnp.float32)  # 0 = the pad segment
-        share = jnp.sum(p_hist[:, 0] * real) / jnp.maximum(jnp.sum(real) * p_hist.shape[-1], 1.0)
-        return self.output(o[:, 0], mixed["z"], x_BKD.dtype), share
+        real = (seg != 0).astype(jnp.float32)  # 0 = the pad segment
+        share_K = jnp.sum(jnp.mean(p_hist[:, 0], axis=-1) * real, axis=0)
+        return self.output(o[:, 0], mixed["z"], x_BKD.dtype), share_K
 
 
 class _ConvKernel(nnx.Module):

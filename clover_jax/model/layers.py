@@ -51,8 +51,9 @@ class DecoderLayer(nnx.Module):
             h, cache = mixer.two_stream(self.input_norm(x_BTD), mixer_ctx), None
         else:
             h, cache = mixer.block_step(self.input_norm(x_BTD), mixer_ctx, cache), None
-            # the GDN block step also reports its history-unit share (NaN marks attention layers)
-            h, share = h if isinstance(h, tuple) else (h, jnp.float32(jnp.nan))
+            # the GDN block step also reports its history-unit share per canvas position (NaN marks
+            # attention layers)
+            h, share = h if isinstance(h, tuple) else (h, jnp.full((x_BTD.shape[1],), jnp.nan, jnp.float32))
         h = x_BTD + remat_policies.tag(h, remat_policies.ATTN_OUT)
         m, aux = self.moe(self.post_norm(h), ctx)
         if stream == "block_step":

@@ -67,7 +67,22 @@ def test_calibrate_tiny_writes_complete_results(tmp_path, capsys):
     got = np.asarray([[float(s[k]) for k in ("alpha", "beta", "gamma")] for s in scal[: cfg.linear_num_value_heads]])
     np.testing.assert_allclose(got, first, rtol=1e-6)
     if res["history_stats"]:
-        assert (out / "history_share.png").stat().st_size > 0
+        assert (out / "history_share.png").stat().st_size > 0 and (out / "history_position.png").stat().st_size > 0
+        # the share per position inside the block: probabilities whose token-weighted mean (the
+        # decoder's pooled counts) is the row's per-layer share; the long CSV holds the same numbers
+        pos = list(csv.DictReader((out / "history_position.csv").open()))
+        assert "history_share_by_position" not in rows[0]  # lists stay out of results.csv
+        for i, r in enumerate(res["rows"]):
+            if r["mode"] == "ar":
+                continue
+            share = np.asarray(r["history_share_by_position"], np.float64)
+            assert share.shape == (n_gdn, r["block_size"])
+            seen = ~np.isnan(share)
+            assert seen[:, 0].all() and np.all((share[seen] >= 0) & (share[seen] <= 1))
+            mine = [p for p in pos if int(p["setting"]) == i]
+            assert len(mine) == int(seen.sum())
+            for p in mine[:20]:
+                assert float(p["share"]) == share[int(p["gdn_layer"]), int(p["position"])]
 
 
 def test_masked_loss_matches_direct_computation():

@@ -52,3 +52,23 @@ def test_report_states_the_tables_numbers(tmp_path):
     for png in ("penalty_matrix.png", "trained_8/quality_vs_speed.png", "trained_mix/quality_vs_speed.png"):
         assert (tmp_path / png).stat().st_size > 0 and png in text
     assert not math.isnan(summarize(_rows(), "validity", 0.9)["mean_penalty"])
+
+
+def test_report_tables_the_history_share_and_plots_it_by_position(tmp_path):
+    """Rows that carry the history unit's share (mean, and per GDN layer x position inside the block)
+    get a share table (trained x decoded, learned calibration) and a share-vs-position plot per model."""
+    rows = _rows()
+    for r in rows:
+        if r["mode"] == "threshold":
+            k = r["block_size"]
+            r["history_share_mean"] = 0.5 + k / 100 + (0.1 if r["trained"] == "mix" else 0.0)
+            r["history_share_L0"] = r["history_share_mean"]
+            r["history_share_by_position"] = [[r["history_share_mean"] * (j + 1) / k for j in range(k)]]
+    md = write_report(tmp_path, rows, quality="validity", threshold=0.9, command="cmd")
+    text = md.read_text()
+    assert "## History-unit softmax share" in text
+    assert "| 8 | 0.580 | 0.820 |" in text and "| mix | 0.680 | 0.920 |" in text
+    for png in ("trained_8/history_position.png", "trained_32/history_share.png"):
+        assert (tmp_path / png).stat().st_size > 0 and png in text
+    no_share = write_report(tmp_path / "plain", _rows(), quality="validity", threshold=0.9, command="cmd").read_text()
+    assert "History-unit" not in no_share and not (tmp_path / "plain" / "trained_8" / "history_position.png").exists()

@@ -245,7 +245,9 @@ def test_default_positions_restart_per_document():
 
 def test_block_step_history_share_follows_the_calibration_logit():
     """The reported history-unit share is a probability per GDN layer: 0 on a fresh document (no
-    history), near 1 when beta makes the history logit dominate, near 0 when it is very negative."""
+    history), near 1 when beta makes the history logit dominate, near 0 when it is very negative. Per
+    position inside the block: sums over the rows where the position is a real token (a pad position
+    counts no token and adds nothing), whose token-weighted mean is the layer's share."""
     cfg = get_preset("tiny").replace(mode="block", mask_token_id=MASK)
     model = create_model(cfg, 2)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -257,6 +259,14 @@ def test_block_step_history_share_follows_the_calibration_logit():
         _, cache = m.extend(ids[:, :4], m.init_cache(1, 8))
         fresh = m.block_step(ids[:, :4], m.init_cache(1, 8), return_stats=True)[1]["history_share"]
         return fresh, m.block_step(ids[:, 4:].at[:, 1:].set(MASK), cache, return_stats=True)[1]["history_share"]
+
+    @jax.jit
+    def by_position(p):  # two rows, the second's last canvas position a pad
+        m = nnx.merge(graphdef, p)
+        ids2 = jnp.concatenate([ids, ids[:, ::-1]])
+        seg = jnp.asarray([[1] * 8, [1] * 7 + [0]], jnp.int32)
+        _, cache = m.extend(ids2[:, :4], m.init_cache(2, 8), segment_ids=seg[:, :4])
+        return m.block_step(ids2[:, 4:].at[:, 1:].set(MASK), cache, segment_ids=seg[:, 4:], return_stats=True)[1]
 
     def with_beta(beta):
         flat = nnx.to_flat_state(params)
@@ -271,6 +281,15 @@ def test_block_step_history_share_follows_the_calibration_logit():
     assert np.all((mid > 0) & (mid < 1))
     assert np.all(np.asarray(shares(with_beta(30.0))[1]) > 0.999)
     assert np.all(np.asarray(shares(with_beta(-30.0))[1]) < 1e-6)
+    for beta in (0.0, 30.0):
+        st = {k: np.asarray(v) for k, v in by_position(with_beta(beta)).items()}
+        np.testing.assert_array_equal(st["history_tokens"], [2, 2, 2, 1])
+        assert st["history_share_sum"].shape == (n_gdn, 4)
+        per_k = st["history_share_sum"] / st["history_tokens"]
+        assert np.all((per_k > 0) & (per_k <= 1.0 + 1e-6))
+        if beta == 30.0:
+            assert np.all(per_k > 0.999)
+        np.testing.assert_allclose(st["history_share"], st["history_share_sum"].sum(1) / 7, rtol=1e-6)
 
 
 def test_qwen_checkpoint_in_block_mode_reproduces_hf_on_the_clean_stream(tmp_path):

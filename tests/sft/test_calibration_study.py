@@ -115,15 +115,19 @@ def test_stored_models_stand_in_for_training_on_a_fresh_checkout(tmp_path):
     whose recipe differs from the study's is refused, naming the key; a copy cut short never counts."""
     from clover_jax.yaml_config import ConfigError
 
-    def cfg(runs, *overrides):
+    def cfg(runs, *overrides, train_only=False):
         return StudyConfig(recipe=str(ROOT / "configs" / "research_tool.yaml"), recipe_overrides=overrides,
                            runs_dir=str(tmp_path / runs), train_block_sizes=(8, 32), mix=(), bfcl=str(BFCL),
                            eval_n=20, calibration_n=8, decode_block_sizes=(8, 32), thresholds=(0.9,),
-                           quality="validity", report_dir=str(tmp_path / "report"), store_dir=str(tmp_path / "store"))
+                           quality="validity", report_dir=str(tmp_path / "report"), store_dir=str(tmp_path / "store"),
+                           train_only=train_only)
 
-    calls: list = []
+    calls: list = []  # train_only: train and store, measure nothing (the models of one session, measured later)
+    assert run_study(cfg("runs1", train_only=True), _steps(calls), command="cmd", print_fn=lambda s: None) is None
+    assert calls == [("train", "train_8"), ("train", "train_32")] and not (tmp_path / "report").exists()
+    calls.clear()
     run_study(cfg("runs1"), _steps(calls), command="cmd", print_fn=lambda s: None)
-    assert [c for c in calls if c[0] == "train"] == [("train", "train_8"), ("train", "train_32")]
+    assert not [c for c in calls if c[0] == "train"] and ("fit", "train_8") in calls
     for b in (8, 32):
         meta = json.loads((tmp_path / "store" / str(b) / "study_model.json").read_text())["recipe"]
         assert meta["model"]["overrides"]["block_size"] == b and meta["train"]["steps"] == 3000
