@@ -13,8 +13,10 @@ section; `launch.py calibrate` hands it here).
    the study be rerun in minutes on a fresh checkout (a recipe that differs is an error naming the key);
 3. per model: the post-hoc gamma fit for every decode block size on the calibration split
    (`calibrate --fit`), the sweep (decode sizes x thresholds x {learned, gamma=0}, AR first) and a
-   sweep of each fitted checkpoint at its own size; each writes its results.json and is skipped
-   when that exists;
+   sweep of each fitted checkpoint at its own size (at `fitted_thresholds`); each writes its
+   results.json and is skipped when that exists. With `store_dir`, a model's rows are kept beside it
+   (`measured.json`, with what they depend on: the eval prompts' hash and every sweep setting) and
+   reused while that key matches, so the report is rebuilt from the stored models in seconds;
 4. the rows of all sweeps, labelled by trained size and calibration, go to
    `clover_jax.decoding.study_report.write_report` (``report_dir``), and each model's AR numbers
    are printed against the floor (validity 0.95, argument accuracy 0.8).
@@ -56,6 +58,7 @@ class StudyConfig:
     report_dir: str = "docs/calibration_study"
     store_dir: str | None = None  # trained models kept (with their recipe) for fresh checkouts; None = runs only
     train_only: bool = False  # step 2 only: train (and store) what is missing, measure nothing
+    fitted_thresholds: tuple[float, ...] | None = None  # the fitted checkpoints' sweeps; None = `thresholds`
     calibrate: dict[str, Any] = field(default_factory=dict)  # base CalibrateConfig tree of every sweep
 
 
@@ -188,6 +191,35 @@ def _trained_model(cfg: StudyConfig, runs: Path, name: Any, sizes: tuple[int, ..
     return hf
 
 
+def _measure_key(cfg: StudyConfig, ev: Path) -> dict[str, Any]:
+    """What a model's measured rows depend on besides the model: the eval prompts and every sweep
+    setting (a stored `measured.json` with another key is measured again, not reused)."""
+    import hashlib
+
+    return {"eval_sha256": hashlib.sha256(ev.read_bytes()).hexdigest(), "calibration_n": cfg.calibration_n,
+            "calibration_seed": cfg.calibration_seed, "decode_block_sizes": list(cfg.decode_block_sizes),
+            "thresholds": list(cfg.thresholds), "fitted_thresholds": list(cfg.fitted_thresholds or cfg.thresholds),
+            "calibrate": json.loads(json.dumps(cfg.calibrate, default=str))}
+
+
+def _measure(cfg: StudyConfig, run: Path, hf: Path, name: Any, ev: Path, cal: Path, steps: Steps) -> list[dict]:
+    """Step 3 for one model (each part skipped when its results exist under `run`): the rows of its
+    sweep (AR, learned, gamma = 0) and of its fitted checkpoints' sweeps, labelled."""
+    if not (run / "fit" / "fit" / "fit.json").is_file():
+        steps.fit(hf, run / "fit", cal, cfg.decode_block_sizes)
+    sweep = run / "sweep"
+    if not (sweep / "results.json").is_file():
+        steps.sweep(hf, sweep, ev, cfg.decode_block_sizes, cfg.thresholds, ({}, {"gamma": 0.0}))
+    rows = _rows(sweep / "results.json", name)
+    for k in cfg.decode_block_sizes:
+        out = run / f"sweep_fitted_{k}"
+        if not (out / "results.json").is_file():
+            steps.sweep(run / "fit" / "fit" / f"block{k}", out, ev, (k,), cfg.fitted_thresholds or cfg.thresholds,
+                        ({},))
+        rows += [r for r in _rows(out / "results.json", name, "fitted") if r["mode"] != "ar"]
+    return rows
+
+
 def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callable[[str], None] = print
               ) -> Path | None:
     """Steps 1-4 of the module docstring; returns the report's path (None with `train_only`: the
@@ -201,26 +233,23 @@ def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callabl
     if cfg.mix:
         models.append(("mix", tuple(cfg.mix)))
     rows: list[dict[str, Any]] = []
-    cals = ({}, {"gamma": 0.0})
     if cfg.train_only:
         for name, sizes in models:
             _trained_model(cfg, runs, name, sizes, steps, print_fn)
         print_fn(f"study: {len(models)} models trained (train_only: nothing measured)")
         return None
+    key = _measure_key(cfg, ev)
     for name, sizes in models:
         run = runs / f"train_{name}"
         hf = _trained_model(cfg, runs, name, sizes, steps, print_fn)
-        if not (run / "fit" / "fit" / "fit.json").is_file():
-            steps.fit(hf, run / "fit", cal, cfg.decode_block_sizes)
-        sweep = run / "sweep"
-        if not (sweep / "results.json").is_file():
-            steps.sweep(hf, sweep, ev, cfg.decode_block_sizes, cfg.thresholds, cals)
-        rows += _rows(sweep / "results.json", name)
-        for k in cfg.decode_block_sizes:
-            out = run / f"sweep_fitted_{k}"
-            if not (out / "results.json").is_file():
-                steps.sweep(run / "fit" / "fit" / f"block{k}", out, ev, (k,), cfg.thresholds, ({},))
-            rows += [r for r in _rows(out / "results.json", name, "fitted") if r["mode"] != "ar"]
+        measured = hf / "measured.json" if cfg.store_dir else None
+        if measured is not None and measured.is_file() and json.loads(measured.read_text())["key"] == key:
+            rows += json.loads(measured.read_text())["rows"]  # this model's sweeps, as measured before
+        else:
+            mine = _measure(cfg, run, hf, name, ev, cal, steps)
+            rows += mine
+            if measured is not None:
+                measured.write_text(json.dumps({"key": key, "rows": mine}, default=str) + "\n")
         ar = next(r for r in rows if r["trained"] == name and r["mode"] == "ar")
         verdict = all(ar[q] >= v for q, v in FLOOR.items())
         print_fn(f"study: block {name} model, AR on {ev.name}: validity {ar['validity']:.3f}, argument accuracy "

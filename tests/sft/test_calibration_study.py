@@ -110,15 +110,16 @@ def test_eval_prompts_draw_from_the_recipes_task(tmp_path):
 
 
 def test_stored_models_stand_in_for_training_on_a_fresh_checkout(tmp_path):
-    """`store_dir`: each trained export is kept with the recipe that trained it; with the scratch runs
-    gone (a fresh checkout), the study trains nothing and measures the stored models; a stored model
-    whose recipe differs from the study's is refused, naming the key; a copy cut short never counts."""
+    """`store_dir`: each trained export is kept with the recipe that trained it, and its measured rows
+    beside it with what they depend on; with the scratch runs gone (a fresh checkout), the study trains
+    and measures nothing and writes the same report; other sweep settings are measured again; a stored
+    model whose recipe differs from the study's is refused, naming the key; a copy cut short never counts."""
     from clover_jax.yaml_config import ConfigError
 
-    def cfg(runs, *overrides, train_only=False):
+    def cfg(runs, *overrides, train_only=False, thresholds=(0.9,)):
         return StudyConfig(recipe=str(ROOT / "configs" / "research_tool.yaml"), recipe_overrides=overrides,
                            runs_dir=str(tmp_path / runs), train_block_sizes=(8, 32), mix=(), bfcl=str(BFCL),
-                           eval_n=20, calibration_n=8, decode_block_sizes=(8, 32), thresholds=(0.9,),
+                           eval_n=20, calibration_n=8, decode_block_sizes=(8, 32), thresholds=thresholds,
                            quality="validity", report_dir=str(tmp_path / "report"), store_dir=str(tmp_path / "store"),
                            train_only=train_only)
 
@@ -137,11 +138,15 @@ def test_stored_models_stand_in_for_training_on_a_fresh_checkout(tmp_path):
     assert {c[3] for c in calls if c[0] == "sweep" and c[2] == "sweep"} == {str(tmp_path / "store" / "8"),
                                                                            str(tmp_path / "store" / "32")}
 
-    calls.clear()  # a fresh checkout: new scratch dir, same store -> fit and sweep the stored models only
+    report = (tmp_path / "report" / "calibration_study.md").read_text()
+    calls.clear()  # a fresh checkout: new scratch dir, same store -> the stored rows, nothing run
     run_study(cfg("runs2"), _steps(calls), command="cmd", print_fn=lambda s: None)
-    assert not [c for c in calls if c[0] == "train"]
+    assert calls == [] and (tmp_path / "report" / "calibration_study.md").read_text() == report
+    run_study(cfg("runs5", thresholds=(0.9, 0.95)), _steps(calls), command="cmd", print_fn=lambda s: None)
+    assert not [c for c in calls if c[0] == "train"]  # other thresholds: measured again, from the stored models
     assert {c[3] for c in calls if c[0] == "sweep" and c[2] == "sweep"} == {str(tmp_path / "store" / "8"),
                                                                            str(tmp_path / "store" / "32")}
+    assert json.loads((tmp_path / "store" / "8" / "measured.json").read_text())["key"]["thresholds"] == [0.9, 0.95]
     with pytest.raises(ConfigError, match=r"store/8: this stored model was trained by another recipe "
                                           r"\(train.steps: stored 3000, recipe now 10\)"):
         run_study(cfg("runs3", "train.steps=10"), _steps([]), command="cmd", print_fn=lambda s: None)
@@ -150,7 +155,7 @@ def test_stored_models_stand_in_for_training_on_a_fresh_checkout(tmp_path):
     del recipe["recipe"]["train"]["eval_steps"]
     meta.write_text(json.dumps(recipe))
     calls.clear()
-    run_study(cfg("runs2"), _steps(calls), command="cmd", print_fn=lambda s: None)
+    run_study(cfg("runs5", thresholds=(0.9, 0.95)), _steps(calls), command="cmd", print_fn=lambda s: None)
     assert calls == []
     (tmp_path / "store" / "32" / "study_model.json").unlink()  # as if the copy had been cut short
     calls.clear()
