@@ -35,6 +35,7 @@ import pathlib
 import platform
 import sys
 import time
+import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -159,6 +160,43 @@ def kernel_times(T: int, H: int, dk: int, dv: int, repeats: int, interpret: bool
     return {n: best_time(lambda f=f, a=args[n]: f(*a), repeats) for n, f in jitted.items()}
 
 
+#: launch variants the --tune sweep times, as (sweep_warps, parallel_warps, num_stages, block_v):
+#: around the table's starting point, one knob at a time, plus the wider-tile corners
+TUNE_VARIANTS = [(4, 8, 2, 32), (4, 4, 2, 32), (4, 8, 1, 32), (4, 8, 3, 32), (2, 8, 2, 16),
+                 (4, 8, 2, 16), (4, 8, 2, 64), (8, 8, 2, 64)]
+
+
+def tune_launch(T: int, H: int, dk: int, dv: int, repeats: int, budget_s: float, interpret: bool) -> list[dict]:
+    """The phase kernels timed alone under each launch variant of TUNE_VARIANTS (the table's entry for
+    (dk, dv, chunk) swapped for the variant, restored after): the data for the launch table. A
+    variant that fails to compile is recorded with its error; none starts after ``budget_s``."""
+    from pallas_kernels import gdn_phase_gpu as g
+    key, rows, start = (dk, dv, CHUNK), [], time.perf_counter()
+    saved = g.LAUNCH.get(key)
+    try:
+        for sw, pw, st, bv in TUNE_VARIANTS:
+            if time.perf_counter() - start > budget_s or dv % bv:
+                continue
+            launch = g.GpuLaunch(sweep_warps=sw, parallel_warps=pw, num_stages=st, block_v=bv)
+            g.LAUNCH[key] = launch
+            row: dict = {"launch": dataclasses.asdict(launch)}
+            try:
+                row["time_s"] = kernel_times(T, H, dk, dv, repeats, interpret)
+                row["total_s"] = sum(row["time_s"].values())
+            except Exception:  # noqa: BLE001
+                row["error"] = traceback.format_exc()[-3000:]
+            rows.append(row)
+            print(f"    tune {row['launch']}: " + (f"total {row['total_s'] * 1e3:.2f} ms: " + ", ".join(
+                f"{k} {v * 1e3:.2f}" for k, v in row["time_s"].items()) if "time_s" in row
+                else "FAILED " + row["error"].strip().splitlines()[-1]), flush=True)
+    finally:
+        if saved is None:
+            g.LAUNCH.pop(key, None)
+        else:
+            g.LAUNCH[key] = saved
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768])
@@ -170,6 +208,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="q / k / v dtype of the timed runs (default bfloat16; float32 with --smoke)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=480.0, help="start no new (T, op) after this many seconds")
+    ap.add_argument("--tune-seq", type=int, default=0,
+                    help="after the rows, time the GPU phase kernels at this T under each launch variant (0: no sweep)")
+    ap.add_argument("--tune-budget-s", type=float, default=120.0, help="start no new launch variant after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (T = 256, 2 heads, dk = dv = 32), fp32, 1 repeat, XLA backend opt level 0")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
@@ -207,14 +248,26 @@ def main(argv: list[str] | None = None) -> dict:
                 report["skipped"].append({"T": T, "op": op, "after_s": elapsed})
                 print(f"T={T} {op}: skipped ({elapsed:.0f} s > --budget-s {args.budget_s:.0f})", flush=True)
                 continue
-            r = {"T": T, "op": op, **run_op(op, x, jnp.dtype(args.time_dtype), interpret, args.repeats, fast)}
+            # a failing row is recorded with its traceback and the run goes on: one device call has
+            # to bring back everything it can
+            try:
+                r = {"T": T, "op": op, **run_op(op, x, jnp.dtype(args.time_dtype), interpret, args.repeats, fast)}
+            except Exception:  # noqa: BLE001
+                r = {"T": T, "op": op, "error": traceback.format_exc()[-6000:]}
             if op == "causal" and (dev.platform == "gpu" or args.smoke):   # smoke: the GPU kernels interpreted
-                r["gpu_kernel_time_s"] = kernel_times(T, args.heads, args.dk, args.dv, args.repeats,
-                                                      interpret=dev.platform != "gpu")
+                try:
+                    r["gpu_kernel_time_s"] = kernel_times(T, args.heads, args.dk, args.dv, args.repeats,
+                                                          interpret=dev.platform != "gpu")
+                except Exception:  # noqa: BLE001
+                    r["gpu_kernel_error"] = traceback.format_exc()[-6000:]
             report["rows"].append(r)
             print_row(r)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(report, indent=1))
+    if args.tune_seq and (dev.platform == "gpu" or args.smoke):
+        report["tune"] = {"T": args.tune_seq, "rows": tune_launch(
+            args.tune_seq, args.heads, args.dk, args.dv, args.repeats, args.tune_budget_s,
+            interpret=dev.platform != "gpu")}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print_table(report["rows"])
@@ -227,6 +280,9 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{'T':>6} {'op':>6} | {'fwd':>9} {'ref fwd':>9} {'x':>5} | {'fwd+bwd':>9} {'ref f+b':>9} {'x':>5} "
           "| worst rel error")
     for r in rows:
+        if "error" in r:
+            print(f"{r['T']:>6} {r['op']:>6} | failed: {r['error'].strip().splitlines()[-1]}")
+            continue
         t = {k: v * 1e3 for k, v in r["time_s"].items()}
         worst = max(r["errors"], key=r["errors"].get)
         print(f"{r['T']:>6} {r['op']:>6} | {t['pallas_fwd']:9.2f} {t['reference_fwd']:9.2f} "
@@ -235,6 +291,12 @@ def print_table(rows: list[dict]) -> None:
 
 
 def print_row(r: dict) -> None:
+    if "error" in r:
+        print(f"T={r['T']:>6} {r['op']:>6} | FAILED\n{r['error']}", flush=True)
+    if "gpu_kernel_error" in r:
+        print(f"T={r['T']:>6} phase kernels alone | FAILED\n{r['gpu_kernel_error']}", flush=True)
+    if "error" in r:
+        return
     t = r["time_s"]
     worst = max(r["errors"], key=r["errors"].get)
     print(f"T={r['T']:>6} {r['op']:>6} | fwd kernel {t['pallas_fwd'] * 1e3:8.2f} ms  xla {t['reference_fwd'] * 1e3:8.2f} ms "

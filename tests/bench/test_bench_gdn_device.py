@@ -50,3 +50,20 @@ def test_device_check_rejects_a_length_block_mode_cannot_take(capsys):
     with pytest.raises(SystemExit):
         gdn_device.main(["--seqs", "8192", "1000"])
     assert "--seqs [1000]" in capsys.readouterr().err
+
+
+def test_device_check_launch_sweep_times_every_phase_kernel_and_restores_the_table(tmp_path):
+    """--tune-seq times the six phase kernels under launch variants (interpreted here) and leaves the
+    launch table as it found it; a variant whose value tile does not divide dv is not tried."""
+    gdn_device = bench_module("gdn_device")
+    from pallas_kernels import gdn_phase_gpu as g
+    before = dict(g.LAUNCH)
+    report = gdn_device.main(["--smoke", "--ops", "causal", "--tune-seq", "256", "--tune-budget-s", "1",
+                              "--out", str(tmp_path / "r.json")])
+    assert g.LAUNCH == before
+    rows = report["tune"]["rows"]
+    assert rows and report["tune"]["T"] == 256
+    for row in rows:
+        assert set(row["time_s"]) == {"intra", "wy", "sweep", "output", "state_bwd", "parallel_bwd"}
+        assert row["total_s"] == pytest.approx(sum(row["time_s"].values()))
+        assert 32 % row["launch"]["block_v"] == 0
