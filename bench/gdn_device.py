@@ -90,7 +90,7 @@ def op_fns(op: str, backend: str, interpret: bool | None):
 
 
 def run_op(op: str, x: dict[str, np.ndarray], time_dtype, interpret: bool | None, repeats: int,
-           compiler_options: dict | None = None) -> dict:
+           compiler_options: dict | None = None, check_dtype=jnp.float32) -> dict:
     """Errors (fp32) and timings (time_dtype) of one op, kernel vs reference. Each program is
     compiled once per dtype (with `compiler_options`): with an fp32 time_dtype the error programs
     are the timed ones."""
@@ -114,17 +114,17 @@ def run_op(op: str, x: dict[str, np.ndarray], time_dtype, interpret: bool | None
                 secs[f"{backend}_{label}"] = time.perf_counter() - t0
         return args, progs, secs
 
-    f32_args, progs, secs = compiled(jnp.float32)
-    out_k, out_r = (jax.device_get(progs[f"{b}_fwd"](*f32_args)) for b in ("pallas", "reference"))
-    g_k, g_r = (jax.device_get(progs[f"{b}_fwd_bwd"](*f32_args)[1]) for b in ("pallas", "reference"))
+    c_args, progs, secs = compiled(check_dtype)
+    out_k, out_r = (jax.device_get(progs[f"{b}_fwd"](*c_args)) for b in ("pallas", "reference"))
+    g_k, g_r = (jax.device_get(progs[f"{b}_fwd_bwd"](*c_args)[1]) for b in ("pallas", "reference"))
     rel = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))  # noqa: E731
                              / max(float(np.max(np.abs(np.asarray(b, np.float64)))), 1e-30))
     out_names = ("o", "final_state") if op == "causal" else ("o_clean", "o_noisy", "final_state")
     res: dict = {"errors": {**{n: rel(a, b) for n, a, b in zip(out_names, out_k, out_r)},
                             **{f"d{n}": rel(a, b) for n, a, b in zip(names, g_k, g_r)}}}
 
-    t_args = f32_args
-    if jnp.dtype(time_dtype) != jnp.float32:
+    t_args = c_args
+    if jnp.dtype(time_dtype) != jnp.dtype(check_dtype):
         t_args, progs, secs = compiled(time_dtype)
     res["compile_s"] = secs
     res["time_s"] = {k: best_time(lambda p=p: p(*t_args), repeats) for k, p in progs.items()}
@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ops", nargs="+", default=["causal", "block"], choices=["causal", "block"])
     ap.add_argument("--time-dtype", default=None, choices=["bfloat16", "float32"],
                     help="q / k / v dtype of the timed runs (default bfloat16; float32 with --smoke)")
+    ap.add_argument("--check-dtype", default="float32", choices=["bfloat16", "float32"],
+                    help="q / k / v dtype of the error check (bfloat16: the timed programs' errors, one compile per program)")
+    ap.add_argument("--no-phase-times", action="store_true", help="skip the GPU phase kernels timed one by one")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=480.0, help="start no new (T, op) after this many seconds")
     ap.add_argument("--tune-seq", type=int, default=0,
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     dev = jax.devices()[0]
     meta = {"jax": jax.__version__, "device": f"{dev.platform}: {dev.device_kind}", "host": platform.node(),
             "B": 1, "H": args.heads, "dk": args.dk, "dv": args.dv, "block": BLOCK, "chunk": CHUNK,
-            "time_dtype": args.time_dtype, "repeats": args.repeats}
+            "time_dtype": args.time_dtype, "check_dtype": args.check_dtype, "repeats": args.repeats}
     if dev.platform == "gpu":
         from pallas_kernels import gdn_phase_gpu
         launch = gdn_phase_gpu.launch_for(args.dk, args.dv, CHUNK)
@@ -251,10 +254,11 @@ def main(argv: list[str] | None = None) -> dict:
             # a failing row is recorded with its traceback and the run goes on: one device call has
             # to bring back everything it can
             try:
-                r = {"T": T, "op": op, **run_op(op, x, jnp.dtype(args.time_dtype), interpret, args.repeats, fast)}
+                r = {"T": T, "op": op, **run_op(op, x, jnp.dtype(args.time_dtype), interpret, args.repeats, fast,
+                                                 jnp.dtype(args.check_dtype))}
             except Exception:  # noqa: BLE001
                 r = {"T": T, "op": op, "error": traceback.format_exc()[-6000:]}
-            if op == "causal" and (dev.platform == "gpu" or args.smoke):   # smoke: the GPU kernels interpreted
+            if op == "causal" and (dev.platform == "gpu" or args.smoke) and not args.no_phase_times:   # smoke: the GPU kernels interpreted
                 try:
                     r["gpu_kernel_time_s"] = kernel_times(T, args.heads, args.dk, args.dv, args.repeats,
                                                           interpret=dev.platform != "gpu")
