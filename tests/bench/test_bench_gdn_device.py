@@ -52,15 +52,22 @@ def test_device_check_rejects_a_length_block_mode_cannot_take(capsys):
     assert "--seqs [1000]" in capsys.readouterr().err
 
 
-def test_device_check_launch_sweep_times_every_phase_kernel_and_restores_the_table(tmp_path):
+def test_device_check_launch_sweep_and_bf16_check(tmp_path):
     """--tune-seq times the six phase kernels under launch variants (interpreted here) and leaves the
-    launch table as it found it; a variant whose value tile does not divide dv is not tried."""
+    launch table as it found it; a variant whose value tile does not divide dv is not tried.
+    --check-dtype bfloat16 checks the errors on the bf16 programs, against the kernels' bf16 bound."""
     gdn_device = bench_module("gdn_device")
     from pallas_kernels import gdn_phase_gpu as g
     before = dict(g.LAUNCH)
     report = gdn_device.main(["--smoke", "--ops", "causal", "--tune-seq", "256", "--tune-budget-s", "1",
+                              "--check-dtype", "bfloat16", "--time-dtype", "bfloat16", "--no-phase-times",
                               "--out", str(tmp_path / "r.json")])
     assert g.LAUNCH == before
+    # the bf16 error check (what a device whose fp32 programs do not fit reports): the kernels' bf16 bound
+    (row,) = report["rows"]
+    assert report["meta"]["check_dtype"] == "bfloat16" and "gpu_kernel_time_s" not in row
+    assert set(row["errors"]) == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "ds0"}
+    assert all(0 < err <= 4 * 2.0 ** -8 for err in row["errors"].values()), row["errors"]
     rows = report["tune"]["rows"]
     assert rows and report["tune"]["T"] == 256
     for row in rows:
