@@ -4,7 +4,9 @@
     python bench/gdn_device.py --smoke           # any host (CPU: interpret mode), tiny shapes: checks the script
 
 On a lent H200 (its image has jax with the CUDA plugin; nothing else of ours is needed), as one call:
-    PYTHONUNBUFFERED=1 python3 bench/gdn_device.py 2>&1 | tee $OUT/gdn_device.log
+    PYTHONUNBUFFERED=1 python3 bench/gdn_device.py --check-dtype bfloat16 2>&1 | tee $OUT/gdn_device.log
+(the fp32 Triton programs at dk = dv = 128 exceed the H200's shared memory: measured 2026-12-04,
+bench/results/gdn_device_h200_fp32check.json; the bf16 results are bench/results/gdn_device_h200.json).
 
 The kernels are the phase split on both platforms (issue 17): on a GPU the Triton kernels of
 ``pallas_kernels/gdn_phase_gpu.py`` with the launch options of its table for (dk, dv, chunk) (recorded

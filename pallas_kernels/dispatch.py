@@ -19,9 +19,27 @@ from .gdn_reference import chunk_gated_delta_rule_ref
 BACKENDS = ("auto", "pallas", "reference")
 
 
-def _auto_backend() -> str:
-    """"pallas" when the default JAX backend has a Pallas compiler (TPU: Mosaic; GPU: Triton)."""
-    return "pallas" if jax.default_backend() in ("tpu", "gpu") else "reference"
+#: the largest head dim (dk or dv) whose fp32 Triton kernels are known to fit a GPU's shared memory:
+#: on an H200 (227 KiB per block) the fp32 phase kernels at dk = dv = 128 ask 384 KiB (causal) / 236
+#: KiB (block mode) and fail to compile, while bf16 q / k / v (the training path) fit
+#: (bench/results/gdn_device_h200_fp32check.json vs gdn_device_h200.json, issue 17)
+GPU_FP32_MAX_HEAD_DIM = 64
+
+
+def auto_backend(platform: str, dtype, dk: int, dv: int) -> str:
+    """What ``backend="auto"`` runs: "pallas" where the platform has a Pallas compiler (TPU: Mosaic;
+    GPU: Triton) and the kernels fit it, else "reference". fp32 q / k / v on a GPU with a head dim
+    above GPU_FP32_MAX_HEAD_DIM run the reference (XLA), which compiles; an explicit "pallas" does not
+    fall back."""
+    if platform not in ("tpu", "gpu"):
+        return "reference"
+    if platform == "gpu" and jax.numpy.dtype(dtype).itemsize >= 4 and max(dk, dv) > GPU_FP32_MAX_HEAD_DIM:
+        return "reference"
+    return "pallas"
+
+
+def _auto_backend(q: jax.Array, v: jax.Array) -> str:
+    return auto_backend(jax.default_backend(), jax.numpy.result_type(q, v), q.shape[-1], v.shape[-1])
 
 
 def chunk_gated_delta_rule(
@@ -54,7 +72,8 @@ def chunk_gated_delta_rule(
         segment_ids: optional int [B, T]; the state resets wherever the id changes from the previous token.
         chunk_size: chunk length of the WY/UT form (any value gives the same result; the Pallas
             kernel needs a multiple of 8 on TPU and a power of two >= 16 on GPU).
-        backend: "auto" = the Pallas kernel when the default JAX backend is TPU or GPU (the phase
+        backend: "auto" = the Pallas kernel when the default JAX backend is TPU or GPU (see
+            :func:`auto_backend` for fp32 on a GPU; the phase
             split of fla's chunk_gated_delta_rule on both: TPU the Mosaic kernels of
             ``gdn_phase_calls``, CUDA the Triton kernels of ``gdn_phase_gpu``), else the jnp reference
             (so on a CPU host, AOT-compiling for a TPU topology needs "pallas");
@@ -72,7 +91,7 @@ def chunk_gated_delta_rule(
     if backend not in BACKENDS:
         raise ValueError(f"unknown GDN backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        backend = _auto_backend()
+        backend = _auto_backend(q, v)
     if backend == "pallas":
         return chunk_gated_delta_rule_pallas(
             q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
@@ -114,7 +133,7 @@ def block_gated_delta_rule(
     if backend not in BACKENDS:
         raise ValueError(f"unknown GDN backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        backend = _auto_backend()
+        backend = _auto_backend(q, v)
     if backend == "pallas":
         return block_gated_delta_rule_pallas(
             q, k, v, g, beta, q_noisy, k_noisy, v_noisy, scalars_H3, block_size=block_size,
