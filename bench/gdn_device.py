@@ -162,24 +162,25 @@ def kernel_times(T: int, H: int, dk: int, dv: int, repeats: int, interpret: bool
     return {n: best_time(lambda f=f, a=args[n]: f(*a), repeats) for n, f in jitted.items()}
 
 
-#: launch variants the --tune sweep times, as (sweep_warps, parallel_warps, num_stages, block_v):
-#: around the table's starting point, one knob at a time, plus the wider-tile corners
-TUNE_VARIANTS = [(4, 8, 2, 32), (4, 4, 2, 32), (4, 8, 1, 32), (4, 8, 3, 32), (2, 8, 2, 16),
-                 (4, 8, 2, 16), (4, 8, 2, 64), (8, 8, 2, 64)]
+#: launch variants the --tune sweep times, as changes to the table's entry for the shape: the entry
+#: itself, then one knob at a time, then the narrower / wider value-tile corners
+TUNE_VARIANTS = [{}, {"parallel_warps": 8}, {"backward_warps": 4}, {"num_stages": 1}, {"num_stages": 3},
+                 {"block_v": 16}, {"block_v": 64}, {"sweep_warps": 2, "block_v": 16},
+                 {"sweep_warps": 8, "block_v": 64}]
 
 
 def tune_launch(T: int, H: int, dk: int, dv: int, repeats: int, budget_s: float, interpret: bool) -> list[dict]:
     """The phase kernels timed alone under each launch variant of TUNE_VARIANTS (the table's entry for
-    (dk, dv, chunk) swapped for the variant, restored after): the data for the launch table. A
+    (dk, dv, chunk), or the default launch, changed by the variant, restored after): the data for the launch table. A
     variant that fails to compile is recorded with its error; none starts after ``budget_s``."""
     from pallas_kernels import gdn_phase_gpu as g
     key, rows, start = (dk, dv, CHUNK), [], time.perf_counter()
-    saved = g.LAUNCH.get(key)
+    saved, base = g.LAUNCH.get(key), g.launch_for(*key)
     try:
-        for sw, pw, st, bv in TUNE_VARIANTS:
-            if time.perf_counter() - start > budget_s or dv % bv:
+        for change in TUNE_VARIANTS:
+            launch = dataclasses.replace(base, **change)
+            if time.perf_counter() - start > budget_s or dv % launch.block_v:
                 continue
-            launch = g.GpuLaunch(sweep_warps=sw, parallel_warps=pw, num_stages=st, block_v=bv)
             g.LAUNCH[key] = launch
             row: dict = {"launch": dataclasses.asdict(launch)}
             try:

@@ -53,23 +53,27 @@ f32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class GpuLaunch:
-    """Triton launch options of one shape: warps of the sequential sweeps and of the parallel kernels,
-    software-pipelining stages of the sweeps' chunk loop, and the value-tile width W of the sweeps and
-    the output kernel (min(dv, block_v))."""
+    """Triton launch options of one shape: warps of the sequential sweeps, of the parallel forward
+    kernels (intra / WY, output, noisy) and of the parallel backward, software-pipelining stages of the
+    sweeps' chunk loop, and the value-tile width W of the sweeps and the output kernel (min(dv, block_v))."""
     sweep_warps: int = 4
     parallel_warps: int = 4
+    backward_warps: int = 4
     num_stages: int = 1
     block_v: int = 32
 
 
 #: (dk, dv, chunk) -> launch options. Starting points from fla's autotune ranges for its
-#: chunk_gated_delta_rule kernels (BV 32 / 64, 2-4 warps, 2-4 stages), not yet tuned on a device:
-#: W = 32 gives B * H * dv / 32 sweep programs (128 for one row of the 35B layer's 32 heads on an
-#: H200's 132 SMs); the parallel kernels hold [C, dk] and [dk, dv] fp32 tiles, hence 8 warps at 128.
+#: chunk_gated_delta_rule kernels (BV 32 / 64, 2-4 warps, 2-4 stages): W = 32 gives B * H * dv / 32
+#: sweep programs (128 for one row of the 35B layer's 32 heads on an H200's 132 SMs); the parallel
+#: backward holds a [dk, dv] fp32 tile, hence 8 warps at 128. (128, 128, 64) measured on an H200
+#: (bf16, T = 8192, 32 heads; bench/results/gdn_device_h200_fp32check.json "tune", 3 variants): 4
+#: warps halve the output kernel (0.68 vs 1.23-1.34 ms) and trim the intra one (4.29 vs 4.73-4.86),
+#: 8 keep the backward ahead (4.47-4.56 vs 5.26); the other entries are not measured.
 LAUNCH: dict[tuple[int, int, int], GpuLaunch] = {
-    (128, 128, 64): GpuLaunch(sweep_warps=4, parallel_warps=8, num_stages=2, block_v=32),
-    (128, 128, 32): GpuLaunch(sweep_warps=4, parallel_warps=8, num_stages=2, block_v=32),
-    (64, 64, 64): GpuLaunch(sweep_warps=4, parallel_warps=4, num_stages=2, block_v=32),
+    (128, 128, 64): GpuLaunch(sweep_warps=4, parallel_warps=4, backward_warps=8, num_stages=2, block_v=32),
+    (128, 128, 32): GpuLaunch(sweep_warps=4, parallel_warps=8, backward_warps=8, num_stages=2, block_v=32),
+    (64, 64, 64): GpuLaunch(sweep_warps=4, parallel_warps=4, backward_warps=4, num_stages=2, block_v=32),
 }
 #: any other shape: 4 warps everywhere, no pipelining, W = min(dv, 32)
 DEFAULT_LAUNCH = GpuLaunch()
@@ -98,6 +102,10 @@ def _params(interpret: bool, num_warps: int, num_stages: int = 1):
 
 def _parallel_params(cfg: KernelConfig, K: int, V: int, interpret: bool):
     return _params(interpret, launch_for(K, V, cfg.chunk_size).parallel_warps)
+
+
+def _backward_params(cfg: KernelConfig, K: int, V: int, interpret: bool):
+    return _params(interpret, launch_for(K, V, cfg.chunk_size).backward_warps)
 
 
 def _sweep_params(cfg: KernelConfig, K: int, V: int, interpret: bool):
@@ -217,7 +225,7 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
     call = pl.pallas_call(
         functools.partial(_parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep, plan=plan),
         out_shape=out_shape, grid=(B, HK, N // G), in_specs=in_specs, out_specs=out_specs,
-        compiler_params=_parallel_params(cfg, K, V, interpret), interpret=interpret,
+        compiler_params=_backward_params(cfg, K, V, interpret), interpret=interpret,
         name="gdn_gpu_block_parallel_bwd" if plan else "gdn_gpu_parallel_bwd")
     return tuple(call(*args))
 

@@ -149,9 +149,9 @@ def test_cuda_lowering_fwd_bwd():
     # the launch table's options for (dk, dv, chunk) = (128, 128, 64): the sweeps on dv tiles
     lc = gdn_phase_gpu.LAUNCH[(DK, DV, 64)]
     N, NV = T // 64, DV // lc.block_v
-    par, seq = (lc.parallel_warps, 1), (lc.sweep_warps, lc.num_stages)
+    par, seq, bwd = (lc.parallel_warps, 1), (lc.sweep_warps, lc.num_stages), (lc.backward_warps, 1)
     assert launches(txt) == [(*par, H * N), (*seq, H * NV), (*par, H * N * NV),
-                             (*par, H * N), (*seq, H * NV), (*seq, H * NV), (*par, HK * N)]
+                             (*par, H * N), (*seq, H * NV), (*seq, H * NV), (*bwd, HK * N)]
 
 
 def test_cuda_lowering_block_fwd_bwd():
@@ -169,7 +169,7 @@ def test_gpu_launch_table():
     from pallas_kernels.gdn_phase_calls import KernelConfig
     p2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     for (dk, dv, C), lc in gdn_phase_gpu.LAUNCH.items():
-        assert all(map(p2, (dk, dv, C, lc.sweep_warps, lc.parallel_warps, lc.block_v))) and 16 <= lc.block_v <= dv
+        assert all(map(p2, (dk, dv, C, lc.sweep_warps, lc.parallel_warps, lc.backward_warps, lc.block_v))) and 16 <= lc.block_v <= dv
         assert gdn_phase_gpu.tile_width(KernelConfig(chunk_size=C), dk, dv) == lc.block_v
     assert gdn_phase_gpu.launch_for(32, 16, 64) == gdn_phase_gpu.DEFAULT_LAUNCH
     assert gdn_phase_gpu.tile_width(KernelConfig(chunk_size=64), 32, 16) == 16       # min(dv, 32)
