@@ -11,8 +11,11 @@ calibration. Its rows are `calibrate` sweep rows (`clover_jax.decoding.calibrate
   0 on the diagonal, negative where decoding at a size the model was not trained for costs quality;
 - `recovery`: per calibration, the share of that penalty it wins back:
   (q_cal - q_learned) / (q_native - q_learned), for cells whose penalty is not ~0;
-- `write_report`: markdown tables of both, the penalty heat map and the quality-vs-speed plot, and
-  the answer in sentences built from the same numbers.
+- `native_by_threshold` / `ar_quality`: each model at its own block size per threshold (quality and
+  tokens per forward), and its AR quality, the ceiling;
+- `write_report`: markdown tables of these, the absolute quality and speed behind the penalty, the
+  penalty heat map and the quality-vs-speed plots, and the answer in sentences built from the same
+  numbers.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any, Iterable
 
 from clover_jax.decoding.calibrate_plots import QUALITY_LABELS, calibration_label, write_plots
 
-__all__ = ["penalty_matrix", "recovery", "summarize", "write_report"]
+__all__ = ["ar_quality", "native_by_threshold", "penalty_matrix", "recovery", "summarize", "write_report"]
 
 Key = tuple[Any, int]  # (trained block size or "mix", decode block size)
 _EPS = 1e-9
@@ -79,6 +82,32 @@ def summarize(rows: list[dict[str, Any]], quality: str, threshold: float) -> dic
             "mix_mean_vs_native": sum(mix) / len(mix) if mix else float("nan"),
             "recovery": {c: (sum(v.values()) / len(v) if v else float("nan")) for c, v in rec.items()},
             "recovery_cells": {c: len(v) for c, v in rec.items()}}
+
+
+def native_by_threshold(rows: list[dict[str, Any]], quality: str) -> dict[tuple[Any, float], tuple[float, float]]:
+    """(trained B, threshold) -> (quality, tokens per forward) of the model decoded at its own block size
+    (learned calibration): the speed / quality trade-off each model offers where it was trained."""
+    out = {}
+    for r in rows:
+        if r["mode"] == "threshold" and _cal(r) == "learned" and r["trained"] == int(r["block_size"]):
+            out[(r["trained"], float(r["threshold"]))] = (float(r[quality]), float(r["tokens_per_forward"]))
+    return out
+
+
+def ar_quality(rows: list[dict[str, Any]], quality: str) -> dict[Any, float]:
+    """trained -> quality of AR greedy decoding (the ceiling block decoding is measured against)."""
+    return {r["trained"]: float(r[quality]) for r in rows if r["mode"] == "ar"}
+
+
+def _native_md(cells: dict[tuple[Any, float], tuple[float, float]]) -> list[str]:
+    trained = sorted({t for t, _ in cells})
+    thresholds = sorted({h for _, h in cells})
+    lines = ["| trained = decoded | " + " | ".join(f"threshold {h:g}" for h in thresholds) + " |",
+             "|---|" + "---|" * len(thresholds)]
+    for t in trained:
+        vals = [("{:.3f} @ {:.2f}".format(*cells[(t, h)]) if (t, h) in cells else "") for h in thresholds]
+        lines.append(f"| {t} | " + " | ".join(vals) + " |")
+    return lines
 
 
 def _label(t: Any) -> str:
@@ -152,6 +181,19 @@ def write_report(out: Path, rows: list[dict[str, Any]], *, quality: str, thresho
              f"{s['mix_mean_vs_native']:+.3f} against the native models. Calibration recovers: {rec_line}.",
              "", f"## Mismatch penalty ({qname}, threshold {threshold:g}, learned calibration)", "",
              *_matrix_md(pen), "", f"![penalty matrix]({heat.name})", ""]
+    absolute = _quality(rows, quality, threshold, "learned")
+    speed = _quality(rows, "tokens_per_forward", threshold, "learned")
+    ar = ar_quality(rows, quality)
+    lines += [f"## {qname} and tokens per forward (threshold {threshold:g}, learned calibration)", "",
+              *_matrix_md(absolute, "{:.3f}"), "", *_matrix_md(speed, "{:.2f}"), ""]
+    if ar:
+        lines += ["AR greedy decoding (one token per forward) of the same models: " + ", ".join(
+            f"trained {_label(t)} {v:.3f}" for t, v in sorted(ar.items(), key=lambda kv: (kv[0] == "mix", str(kv[0])))
+        ) + ".", ""]
+    native = native_by_threshold(rows, quality)
+    if native:
+        lines += [f"## Each model at its own block size: {qname} @ tokens per forward, by threshold", "",
+                  *_native_md(native), ""]
     for c in s["recovery"]:
         lines += [f"## Share of the penalty recovered by {c}", "", *_matrix_md(recovery(rows, quality, threshold, c),
                                                                                   "{:+.0%}"), ""]

@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from clover_jax.decoding.study_report import penalty_matrix, recovery, summarize, write_report
+from clover_jax.decoding.study_report import (ar_quality, native_by_threshold, penalty_matrix, recovery, summarize,
+                                              write_report)
 
 # validity of models trained at 8 / 32 and on the mix, decoded at 8 / 32, learned and gamma = 0
 Q = {(8, 8, "learned"): 0.9, (8, 32, "learned"): 0.5, (32, 8, "learned"): 0.2, (32, 32, "learned"): 1.0,
@@ -49,6 +50,11 @@ def test_report_states_the_tables_numbers(tmp_path):
     assert "configs/calibration_study.yaml" in text and "changes tool-call validity (fraction of turns) by -0.600" in text
     assert "| 8 | +0.000 | -0.500 |" in text and "| 32 | -0.700 | +0.000 |" in text and "| mix | -0.050 | -0.050 |" in text
     assert "gamma=0: +20% of the penalty (2 cells)" in text and "| 8 |  | +40% |" in text
+    # the absolute numbers behind the penalty (validity, tokens per forward = 1 + d / 16), the AR ceiling,
+    # and each model at its own size (thresholds 0.9 here, 0.8 in the extra rows below)
+    assert "| 8 | 0.900 | 0.500 |" in text and "| mix | 0.850 | 0.950 |" in text
+    assert "| 32 | 1.50 | 3.00 |" in text and "trained 32 1.000." in text
+    assert "| 8 | 0.900 @ 1.50 |" in text and "| 32 | 1.000 @ 3.00 |" in text
     for png in ("penalty_matrix.png", "trained_8/quality_vs_speed.png", "trained_mix/quality_vs_speed.png"):
         assert (tmp_path / png).stat().st_size > 0 and png in text
     assert not math.isnan(summarize(_rows(), "validity", 0.9)["mean_penalty"])
@@ -72,3 +78,15 @@ def test_report_tables_the_history_share_and_plots_it_by_position(tmp_path):
         assert (tmp_path / png).stat().st_size > 0 and png in text
     no_share = write_report(tmp_path / "plain", _rows(), quality="validity", threshold=0.9, command="cmd").read_text()
     assert "History-unit" not in no_share and not (tmp_path / "plain" / "trained_8" / "history_position.png").exists()
+
+
+def test_native_sizes_by_threshold_and_the_ar_ceiling():
+    rows = _rows(0.9) + [r for r in _rows(0.8) if r["mode"] == "threshold"]
+    for r in rows:
+        if r["threshold"] == 0.8:
+            r["validity"] -= 0.1
+    native = native_by_threshold(rows, "validity")
+    # diagonal, learned calibration only: trained 8 at 8, 32 at 32; the mix has no size of its own
+    assert native == {(8, 0.9): (0.9, 1.5), (32, 0.9): (1.0, 3.0),
+                      (8, 0.8): (pytest.approx(0.8), 1.5), (32, 0.8): (pytest.approx(0.9), 3.0)}
+    assert ar_quality(rows, "validity") == {32: 1.0}
