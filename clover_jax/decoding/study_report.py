@@ -59,11 +59,12 @@ def penalty_matrix(rows: list[dict[str, Any]], quality: str, threshold: float) -
 def recovery(rows: list[dict[str, Any]], quality: str, threshold: float, calibration: str,
              min_penalty: float = 0.02) -> dict[Key, float]:
     """(trained B, decode B') -> the share of the mismatch penalty that ``calibration`` recovers, for
-    off-diagonal cells with |penalty| >= ``min_penalty`` (a ratio of two ~0 numbers says nothing)."""
+    off-diagonal cells that lose at least ``min_penalty`` against the native model (a ratio of two ~0
+    numbers says nothing; a cell that beats the native model, e.g. the mix's, has nothing to recover)."""
     learned, cal = _quality(rows, quality, threshold, "learned"), _quality(rows, quality, threshold, calibration)
     out = {}
     for (t, d), pen in penalty_matrix(rows, quality, threshold).items():
-        if t != d and abs(pen) >= min_penalty and (t, d) in cal:
+        if t != d and pen <= -min_penalty and (t, d) in cal:
             out[(t, d)] = (cal[(t, d)] - learned[(t, d)]) / (-pen)
     return out
 

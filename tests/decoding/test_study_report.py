@@ -38,6 +38,14 @@ def test_penalty_and_recovery_by_hand():
     s = summarize(_rows(), "validity", 0.9)
     assert s["mean_penalty"] == pytest.approx((-0.5 - 0.7) / 2) and s["worst_penalty"] == pytest.approx(-0.7)
     assert s["recovery"] == {"gamma=0": pytest.approx(0.2)} and s["mix_mean_vs_native"] == pytest.approx(-0.05)
+    # a cell that beats its native model has no penalty to recover: mix at 32 above native 32's 1.0
+    better = _rows() + [{"mode": "threshold", "trained": "mix", "block_size": 32, "threshold": 0.9, "gamma": 0.0,
+                         "alpha_scale": 1.0, "beta_shift": 0.0, "validity": 0.9, "tokens_per_forward": 3.0}]
+    for r in better:
+        if r["trained"] == "mix" and r["block_size"] == 32 and r["gamma"] == "learned":
+            r["validity"] = 1.0 + 0.1
+    assert penalty_matrix(better, "validity", 0.9)[("mix", 32)] == pytest.approx(0.1)
+    assert ("mix", 32) not in recovery(better, "validity", 0.9, "gamma=0")
     assert penalty_matrix(_rows(), "validity", 0.95) == {}  # no rows at that threshold
     with pytest.raises(ValueError, match="two rows for trained 8, block 8"):
         penalty_matrix(_rows() + _rows()[:1], "validity", 0.9)
