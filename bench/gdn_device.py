@@ -93,9 +93,9 @@ def op_fns(op: str, backend: str, interpret: bool | None):
 
 def run_op(op: str, x: dict[str, np.ndarray], time_dtype, interpret: bool | None, repeats: int,
            compiler_options: dict | None = None, check_dtype=jnp.float32) -> dict:
-    """Errors (fp32) and timings (time_dtype) of one op, kernel vs reference. Each program is
-    compiled once per dtype (with `compiler_options`): with an fp32 time_dtype the error programs
-    are the timed ones."""
+    """Errors (check_dtype, fp32 by default) and timings (time_dtype) of one op, kernel vs reference.
+    Each program is compiled once per dtype (with `compiler_options`): where the two dtypes agree the
+    error programs are the timed ones."""
     names = CAUSAL_ARGS if op == "causal" else BLOCK_ARGS
     extra = ("seg", "w_o", "w_on", "w_s") if op == "block" else ("seg", "w_o", "w_s")
     argnums = tuple(range(len(names)))
