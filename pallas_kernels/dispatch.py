@@ -19,10 +19,11 @@ from .gdn_reference import chunk_gated_delta_rule_ref
 BACKENDS = ("auto", "pallas", "reference")
 
 
-#: the largest head dim (dk or dv) whose fp32 Triton kernels are known to fit a GPU's shared memory:
-#: on an H200 (227 KiB per block) the fp32 phase kernels at dk = dv = 128 ask 384 KiB (causal) / 236
-#: KiB (block mode) and fail to compile, while bf16 q / k / v (the training path) fit
-#: (bench/results/gdn_device_h200_fp32check.json vs gdn_device_h200.json, issue 17)
+#: fp32 q / k / v on a GPU above this head dim (dk or dv) run on the XLA path: on an H200 (227 KiB of
+#: shared memory per block) the fp32 phase kernels at dk = dv = 128 ask 384 KiB (causal) / 236 KiB
+#: (block mode) and fail to compile, while bf16 q / k / v (the training path) fit
+#: (bench/results/gdn_device_h200_fp32check.json vs gdn_device_h200.json, issue 17). fp32 at 64 was
+#: not measured: its tiles are a quarter of those at 128, so it is left on the kernels.
 GPU_FP32_MAX_HEAD_DIM = 64
 
 

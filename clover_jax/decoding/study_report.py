@@ -101,7 +101,7 @@ def ar_quality(rows: list[dict[str, Any]], quality: str) -> dict[Any, float]:
 
 
 def _native_md(cells: dict[tuple[Any, float], tuple[float, float]]) -> list[str]:
-    trained = sorted({t for t, _ in cells})
+    trained = sorted({t for t, _ in cells}, key=_order)
     thresholds = sorted({h for _, h in cells})
     lines = ["| trained = decoded | " + " | ".join(f"threshold {h:g}" for h in thresholds) + " |",
              "|---|" + "---|" * len(thresholds)]
@@ -115,8 +115,13 @@ def _label(t: Any) -> str:
     return "mix" if t == "mix" else str(t)
 
 
+def _order(t: Any) -> tuple[bool, int]:
+    """Sort key of trained block sizes: ascending, the mix model last."""
+    return (t == "mix", t if t != "mix" else 0)
+
+
 def _matrix_md(cells: dict[Key, float], fmt: str = "{:+.3f}") -> list[str]:
-    trained = sorted({t for t, _ in cells}, key=lambda t: (t == "mix", t if t != "mix" else 0))
+    trained = sorted({t for t, _ in cells}, key=_order)
     decoded = sorted({d for _, d in cells})
     lines = ["| trained \\ decoded | " + " | ".join(f"block {d}" for d in decoded) + " |",
              "|---|" + "---|" * len(decoded)]
@@ -133,7 +138,7 @@ def _heatmap(cells: dict[Key, float], path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    trained = sorted({t for t, _ in cells}, key=lambda t: (t == "mix", t if t != "mix" else 0))
+    trained = sorted({t for t, _ in cells}, key=_order)
     decoded = sorted({d for _, d in cells})
     m = np.full((len(trained), len(decoded)), np.nan)
     for (t, d), v in cells.items():
@@ -169,7 +174,7 @@ def write_report(out: Path, rows: list[dict[str, Any]], *, quality: str, thresho
     for r in rows:
         by_trained[r["trained"]].append(r)
     plots = []
-    for t, rs in sorted(by_trained.items(), key=lambda kv: (kv[0] == "mix", kv[0] if kv[0] != "mix" else 0)):
+    for t, rs in sorted(by_trained.items(), key=lambda kv: _order(kv[0])):
         d = out / f"trained_{_label(t)}"
         d.mkdir(exist_ok=True)
         plots += [p.relative_to(out) for p in write_plots(d, rs, [], [], quality)]
@@ -189,7 +194,7 @@ def write_report(out: Path, rows: list[dict[str, Any]], *, quality: str, thresho
               *_matrix_md(absolute, "{:.3f}"), "", *_matrix_md(speed, "{:.2f}"), ""]
     if ar:
         lines += ["AR greedy decoding (one token per forward) of the same models: " + ", ".join(
-            f"trained {_label(t)} {v:.3f}" for t, v in sorted(ar.items(), key=lambda kv: (kv[0] == "mix", str(kv[0])))
+            f"trained {_label(t)} {v:.3f}" for t, v in sorted(ar.items(), key=lambda kv: _order(kv[0]))
         ) + ".", ""]
     native = native_by_threshold(rows, quality)
     if native:

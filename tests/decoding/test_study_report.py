@@ -43,7 +43,7 @@ def test_penalty_and_recovery_by_hand():
                          "alpha_scale": 1.0, "beta_shift": 0.0, "validity": 0.9, "tokens_per_forward": 3.0}]
     for r in better:
         if r["trained"] == "mix" and r["block_size"] == 32 and r["gamma"] == "learned":
-            r["validity"] = 1.0 + 0.1
+            r["validity"] = 1.1
     assert penalty_matrix(better, "validity", 0.9)[("mix", 32)] == pytest.approx(0.1)
     assert ("mix", 32) not in recovery(better, "validity", 0.9, "gamma=0")
     assert penalty_matrix(_rows(), "validity", 0.95) == {}  # no rows at that threshold
@@ -98,3 +98,10 @@ def test_native_sizes_by_threshold_and_the_ar_ceiling():
     assert native == {(8, 0.9): (0.9, 1.5), (32, 0.9): (1.0, 3.0),
                       (8, 0.8): (pytest.approx(0.8), 1.5), (32, 0.8): (pytest.approx(0.9), 3.0)}
     assert ar_quality(rows, "validity") == {32: 1.0}
+
+
+def test_report_lists_the_ar_ceilings_by_block_size_mix_last(tmp_path):
+    rows = _rows() + [{"mode": "ar", "trained": t, "block_size": 1, "threshold": 0.9, "gamma": "learned",
+                       "validity": v, "tokens_per_forward": 1.0} for t, v in (("mix", 0.97), (8, 0.99))]
+    text = write_report(tmp_path, rows, quality="validity", threshold=0.9, command="cmd").read_text()
+    assert "of the same models: trained 8 0.990, trained 32 1.000, trained mix 0.970." in text

@@ -19,7 +19,7 @@ from pallas_kernels import dispatch
     ("gpu", jnp.bfloat16, 128, 128, "pallas"),         # measured on the H200
     ("gpu", jnp.float32, 128, 128, "reference"),       # measured not to fit: XLA instead
     ("gpu", jnp.float32, 64, 128, "reference"),        # either head dim counts
-    ("gpu", jnp.float32, 64, 64, "pallas"),
+    ("gpu", jnp.float32, 64, 64, "pallas"),            # not measured: a quarter of the tiles at 128
     ("gpu", jnp.float16, 128, 128, "pallas"),
 ])
 def test_auto_backend_by_platform_dtype_and_head_dim(platform, dtype, dk, dv, expected):
