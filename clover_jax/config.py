@@ -74,7 +74,7 @@ class ModelConfig:
     # (Pallas Triton) flash kernel (both interpreted off their platform), "reference" = dense jnp,
     # "auto" = splash on TPU, flash on GPU, else reference (pallas_kernels.attention_dispatch)
     attn_backend: Literal["auto", "splash", "flash", "reference"] = "auto"
-    moe_impl: Literal["auto", "ragged", "blocked", "dense"] = "auto"
+    moe_impl: Literal["auto", "ragged", "blocked", "capacity", "dense"] = "auto"
     moe_dispatch: Literal["ragged_a2a", "ring"] = "ragged_a2a"  # expert-parallel dispatch under a mesh
     scan_layers: bool = True
     remat: str = "none"  # activation checkpointing of each layer group: a clover_jax.parallel.remat policy name

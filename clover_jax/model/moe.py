@@ -9,12 +9,15 @@ compute the same function (`ModelConfig.moe_impl`):
   and up fused into one n = 2I projection); no capacity, so no token is ever dropped;
 * `blocked`: the same sort, then each expert's group is padded to a multiple of a row block and a
   loop runs the used blocks against their expert's weights, with a custom VJP
-  (`clover_jax.model.moe_blocked`; the path on CPU and GPU, where `ragged_dot` expands to a dense
+  (`clover_jax.model.moe_blocked`; the path on GPU, where `ragged_dot` expands to a dense
   masked product);
+* `capacity`: each expert's first C rows as one batched matmul over all experts, the rows past C by
+  a loop over row blocks (`clover_jax.model.moe_capacity`; the path on CPU, where a loop of small
+  dots runs at half the batched dot's speed);
 * `dense`: every token through every expert, weighted by a dense [T, E] combine matrix: the plain
   reference (E/k times the FLOPs).
 
-`auto` picks `ragged` on TPU and `blocked` on GPU and CPU (`moe_platform` says why).
+`auto` picks `ragged` on TPU, `blocked` on GPU and `capacity` on CPU (`moe_platform` says why).
 
 Expert parallelism (`experts_parallel`) takes over inside `sharding.use_sharding(mesh)` on a
 multi-device mesh: tokens stay sharded over the batch axes, experts over `expert`, and the
@@ -36,6 +39,7 @@ from flax import nnx
 from clover_jax.parallel import remat, sharding
 from clover_jax.config import ModelConfig
 from clover_jax.model.moe_blocked import blocked_ffn
+from clover_jax.model.moe_capacity import capacity_ffn, experts_capacity
 from clover_jax.model.moe_platform import resolve_impl, tgmm_tiling
 from clover_jax.model.nn import Dense, dtype_of, make_param, normal
 
@@ -125,13 +129,15 @@ gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def grouped_ffn(xs_MD: jax.Array, group_sizes_G: jax.Array, wi_gate_GDI: jax.Array, wi_up_GDI: jax.Array,
-                wo_GID: jax.Array, impl: str, platform: str | None = None) -> jax.Array:
+                wo_GID: jax.Array, impl: str, platform: str | None = None, rows_hint: int | None = None) -> jax.Array:
     """SwiGLU expert g on rows [start_g, start_g + size_g) of `xs` (rows sorted by expert). Rows past
     `sum(group_sizes)` (buffer padding) come out as exact zeros. Returns [M, D] fp32.
 
     `impl`: "ragged" (`gmm`: `ragged_dot` with the `tgmm` weight gradient), "blocked" (padded row
-    blocks, `moe_blocked.blocked_ffn`) or "dense" (every row through every expert, masked:
-    the reference). `platform` (default: JAX's backend) picks the `tgmm` implementation."""
+    blocks, `moe_blocked.blocked_ffn`), "capacity" (`moe_capacity.capacity_ffn`; `rows_hint`, the
+    expected number of real rows of a worst-case-sized buffer, sizes its capacity) or "dense" (every
+    row through every expert, masked: the reference). `platform` (default: JAX's backend) picks the
+    `tgmm` implementation."""
     m, d = xs_MD.shape
     g = wi_gate_GDI.shape[0]
     dt = xs_MD.dtype
@@ -154,6 +160,8 @@ def grouped_ffn(xs_MD: jax.Array, group_sizes_G: jax.Array, wi_gate_GDI: jax.Arr
         u = jnp.einsum("md,gdi->mgi", xs_MD, wi_up_GDI, preferred_element_type=jnp.float32)
         y = jnp.einsum("mgi,gid->mgd", _swiglu(h, u, dt), wo_GID, preferred_element_type=jnp.float32)
         return jnp.einsum("mgd,mg->md", y, onehot_MG)
+    if impl == "capacity":
+        return capacity_ffn(xs_MD, group_sizes_G, wi_gate_GDI, wi_up_GDI, wo_GID, rows_hint)
     if impl != "blocked":
         raise ValueError(f"unknown grouped_ffn impl {impl!r}")
     return blocked_ffn(xs_MD, group_sizes_G, wi_gate_GDI, wi_up_GDI, wo_GID)
@@ -198,7 +206,8 @@ def experts_dense(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EID) 
     return jnp.einsum("ted,te->td", y, combine_TE)
 
 
-EXPERT_IMPLS = {"ragged": experts_ragged, "blocked": experts_blocked, "dense": experts_dense}
+EXPERT_IMPLS = {"ragged": experts_ragged, "blocked": experts_blocked, "capacity": experts_capacity,
+                "dense": experts_dense}
 DISPATCHES = ("ragged_a2a", "ring")
 
 
@@ -261,14 +270,15 @@ def _dispatch_a2a(x_ND, w_NK, e_NK, wg, wu, wo, *, axes, ep: int, impl: str, pla
     key = jnp.searchsorted(jnp.cumsum(mine.reshape(-1)), jnp.arange(ep * cap), side="right")
     local_e = jnp.where(key < ep * el, key % el, el)
     perm = jnp.argsort(local_e, stable=True)
-    y = grouped_ffn(recv[perm], mine.sum(0), wg, wu, wo, impl, platform)
+    y = grouped_ffn(recv[perm], mine.sum(0), wg, wu, wo, impl, platform, rows_hint=n * k)  # mean fill
     y_recv = jnp.zeros_like(y).at[perm].set(y).astype(x_ND.dtype)
     back = a2a(y_recv, jnp.zeros((n * k, d), x_ND.dtype), _exclusive_cumsum(recv_sizes), recv_sizes,
                _exclusive_cumsum(s_SD, 1)[:, rank], send_sizes)
     return combine(back, order, w_NK)
 
 
-def _dispatch_ring(x_ND, w_NK, e_NK, wg, wu, wo, *, axes, impl: str, platform: str, gather: bool) -> jax.Array:
+def _dispatch_ring(x_ND, w_NK, e_NK, wg, wu, wo, *, axes, ep: int, impl: str, platform: str, gather: bool
+                   ) -> jax.Array:
     """Ring of experts: all-gather the tokens over the expert axes (skipped when they are already
     replicated there), run the local experts on their assignments, reduce-scatter (or psum) the
     weighted outputs back. [N, D] fp32."""
@@ -281,7 +291,7 @@ def _dispatch_ring(x_ND, w_NK, e_NK, wg, wu, wo, *, axes, impl: str, platform: s
     local_e = jnp.where((local_e >= 0) & (local_e < el), local_e, el)
     sel = jnp.argsort(local_e, stable=True)[: n * min(k, el)]  # local assignments first
     sizes = jnp.bincount(local_e, length=el + 1)[:el].astype(jnp.int32)
-    y = grouped_ffn(x_ND[sel // k], sizes, wg, wu, wo, impl, platform)
+    y = grouped_ffn(x_ND[sel // k], sizes, wg, wu, wo, impl, platform, rows_hint=max(1, n * k // ep))  # mean fill
     y_tok = jnp.zeros((n, d), jnp.float32).at[sel // k].add(y * w_NK.reshape(-1)[sel][:, None])
     y_tok = y_tok.astype(dt)
     if gather:
@@ -347,11 +357,12 @@ def experts_parallel(x_BTD, weights_BTK, experts_BTK, wi_gate_EDI, wi_up_EDI, wo
             wo = jax.lax.all_gather(wo, go, axis=2, tiled=True)
         args = (x.reshape(bl * tl, d), w.reshape(bl * tl, k), ex.reshape(bl * tl, k), wg, wu, wo)
         if ep == 1:
-            y = (experts_dense(*args) if impl == "dense" else experts_sorted(*args, impl=impl, platform=platform))
+            y = (EXPERT_IMPLS[impl](*args) if impl in ("dense", "capacity")
+                 else experts_sorted(*args, impl=impl, platform=platform))
         elif not all(over_ep):
-            y = _dispatch_ring(*args, axes=ep_axes, impl=impl, platform=platform, gather=False)
+            y = _dispatch_ring(*args, axes=ep_axes, ep=ep, impl=impl, platform=platform, gather=False)
         elif dispatch == "ring":
-            y = _dispatch_ring(*args, axes=ep_axes, impl=impl, platform=platform, gather=True)
+            y = _dispatch_ring(*args, axes=ep_axes, ep=ep, impl=impl, platform=platform, gather=True)
         else:
             y = _dispatch_a2a(*args, axes=ep_axes, ep=ep, impl=impl, platform=platform)
         if mlp_axes:

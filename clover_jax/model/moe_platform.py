@@ -1,7 +1,8 @@
 """Which grouped-matmul path, and which kernel tiling, the routed experts take on each platform.
 
 Paths (`moe.grouped_ffn`): `ragged` (`jax.lax.ragged_dot` + the megablox `tgmm` weight gradient),
-`blocked` (batched dots over expert-aligned row blocks), `dense` (the reference). `auto` picks:
+`blocked` (a loop of dots over expert-aligned row blocks), `capacity` (one batched dot over a fixed
+per-expert capacity, the overflow by the blocked loop), `dense` (the reference). `auto` picks:
 
 * TPU: `ragged`. XLA:TPU runs `ragged_dot` as a grouped kernel and the weight gradient is the
   megablox `tgmm` Pallas kernel, tiled by :func:`tgmm_tiling`.
@@ -12,23 +13,27 @@ Paths (`moe.grouped_ffn`): `ragged` (`jax.lax.ragged_dot` + the megablox `tgmm` 
   blocked path pads each expert's rows to whole row blocks and runs one batched matmul, so no
   product spans more than about M + E*block rows (tests/model/test_moe_platform.py checks it on
   the HLO lowered for `cuda`, forward and backward).
-* CPU: `blocked`, for the same reason (XLA:CPU also expands `ragged_dot` densely).
+* CPU: `capacity`. XLA:CPU also expands `ragged_dot` densely, and it runs a loop of per-block dots
+  at about half the speed of one batched dot over [E, C, D] (issue 19: the routed experts' fwd+bwd
+  1.5x faster than `blocked` at small-cpu, `bench/forward.py --breakdown`). Not measured on a GPU,
+  so GPU keeps `blocked`.
 """
 
 from __future__ import annotations
 
 import jax
 
-IMPLS = ("ragged", "blocked", "dense")
+IMPLS = ("ragged", "blocked", "capacity", "dense")
 #: megablox tile edges tried, largest first (multiples of the 128-lane MXU width)
 TILES = (512, 256, 128)
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """`auto` -> `ragged` on TPU, `blocked` on GPU and CPU (`platform` default: JAX's backend; a
-    device's `platform` string: "tpu", "gpu", "cuda", "rocm", "cpu"). Others pass through."""
+    """`auto` -> `ragged` on TPU, `capacity` on CPU, `blocked` on GPU (`platform` default: JAX's
+    backend; a device's `platform` string: "tpu", "gpu", "cuda", "rocm", "cpu"). Others pass through."""
     if impl == "auto":
-        return "ragged" if (platform or jax.default_backend()) == "tpu" else "blocked"
+        platform = platform or jax.default_backend()
+        return {"tpu": "ragged", "cpu": "capacity"}.get(platform, "blocked")
     if impl not in IMPLS:
         raise ValueError(f"unknown moe_impl {impl!r}; expected auto or one of {sorted(IMPLS)}")
     return impl

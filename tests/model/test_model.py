@@ -91,7 +91,7 @@ def test_model_moe_paths_agree(model):
     ids = _ids(6, 2, 24)
     params = model_to_params(model)
     dense = model_from_params(CFG.replace(moe_impl="dense"), params)(ids)
-    for impl in ("ragged", "blocked"):
+    for impl in ("ragged", "blocked", "capacity"):
         out = model_from_params(CFG.replace(moe_impl=impl), params)(ids)
         assert_rel_close(out, dense, REL / 2, impl)  # the old absolute 1e-5 at this scale
 
@@ -112,7 +112,7 @@ def test_stacked_params_shapes():
         CFG.num_groups, CFG.hidden_size, CFG.num_attention_heads * 2 * CFG.head_dim)
 
 
-@pytest.mark.parametrize("impl", ["ragged", "blocked"])
+@pytest.mark.parametrize("impl", ["ragged", "blocked", "capacity"])
 def test_moe_paths_equal_dense_with_skewed_routing(impl):
     """Sorted paths vs the dense oracle, values and gradients, when one expert gets most tokens and
     some get none (dropless: nothing may be lost in the padding or the sort)."""

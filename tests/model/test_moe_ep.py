@@ -33,7 +33,7 @@ def test_emulated_ragged_all_to_all_matches_documented_example():
     np.testing.assert_array_equal(np.asarray(got).reshape(2, 4), [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
-@pytest.mark.parametrize("impl", ["ragged", "blocked", "dense"])
+@pytest.mark.parametrize("impl", ["ragged", "blocked", "capacity", "dense"])
 def test_grouped_ffn_equals_per_group_loop(impl):
     """Rows sorted by group with an empty group and a padded tail: each group's rows through its
     expert, the tail exactly zero."""
@@ -127,6 +127,7 @@ CASES = [
     # agent_long's layout: no expert axis, rows over fsdp, sequences over context, the weights' embed
     # dim over both (gathered inside the shard_map, gradients reduce-scattered back)
     (dict(fsdp=4, context=2), "blocked"),
+    (dict(data=2, fsdp=1, expert=4), "capacity"),  # the CPU default under the real dispatch
 ]
 
 
@@ -151,7 +152,7 @@ def test_tokens_replicated_over_expert_axis(problem):
     with sh.use_sharding(mesh, rules) as ctx:
         def f(x, w, wg, wu, wo):
             y = experts_parallel(x.reshape(B, T, D), w.reshape(B, T, K), ex.reshape(B, T, K), wg, wu, wo,
-                                 ctx=ctx, impl="blocked", dispatch="ragged_a2a").reshape(B * T, D)
+                                 ctx=ctx, impl="capacity", dispatch="ragged_a2a").reshape(B * T, D)
             return loss(y), y
 
         (_, y), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, w, wg, wu, wo)

@@ -20,7 +20,7 @@ from clover_jax.model.moe_platform import resolve_impl, tgmm_tiling
 
 
 @pytest.mark.parametrize("platform,want", [("tpu", "ragged"), ("gpu", "blocked"), ("cuda", "blocked"),
-                                           ("rocm", "blocked"), ("cpu", "blocked")])
+                                           ("rocm", "blocked"), ("cpu", "capacity")])
 def test_auto_picks_the_grouped_path_per_platform(platform, want):
     assert resolve_impl("auto", platform) == want
     assert resolve_impl("dense", platform) == "dense"
