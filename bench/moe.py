@@ -1,7 +1,7 @@
 """MoE layer benchmark: our sorted/expert-parallel dispatch vs the dense one-hot einsum.
 
 Part 1 (CPU, measured): routed-expert fwd+bwd wall time at 8, 64 and 256 experts, single device
-(`blocked`, `ragged` vs `dense`) and expert-parallel on 8 simulated CPU devices (ragged all-to-all
+(`blocked`, `capacity`, `ragged` vs `dense`) and expert-parallel on 8 simulated CPU devices (ragged all-to-all
 and ring; the devices share this machine's cores, so those columns show overhead, not speed-up).
 `ragged` is skipped where XLA:CPU's dense expansion of ragged_dot would not fit in memory.
 
@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 
 from clover_jax.parallel import sharding as sh  # noqa: E402
 from clover_jax.model.moe import experts_dense, experts_parallel, experts_sorted, route  # noqa: E402
+from clover_jax.model.moe_capacity import experts_capacity  # noqa: E402
 from common import best_time  # noqa: E402
 
 
@@ -71,15 +72,15 @@ def ep_fn(mesh, dispatch, rows, cols):
 def part1(tokens: int, d: int, i: int, repeats: int) -> dict:
     print(f"\nPart 1: routed experts fwd+bwd on CPU, {tokens} tokens, D={d}, I={i}, fp32 (best of {repeats}, ms)")
     mesh = sh.make_mesh(sh.MeshConfig(fsdp=1, expert=8))
-    head = (f"{'E':>5}{'k':>4}{'dense':>10}{'blocked':>10}{'ragged':>10}{'EP a2a':>10}{'EP ring':>10}"
-            f"{'dense/blocked':>15}{'dense/ragged':>14}{'dense/EP a2a':>14}")
+    head = (f"{'E':>5}{'k':>4}{'dense':>10}{'blocked':>10}{'capacity':>10}{'ragged':>10}{'EP a2a':>10}{'EP ring':>10}"
+            f"{'dense/blocked':>15}{'dense/capacity':>15}{'dense/ragged':>14}{'dense/EP a2a':>14}")
     print(head)
     out = {"tokens": tokens, "d": d, "i": i, "dtype": "float32", "repeats": repeats, "unit": "ms", "rows": []}
     for e, k in ((8, 2), (64, 8), (256, 8)):
         args = problem(tokens, d, i, e, k)
         # each jitted function is built once (a fresh jit per call would time the compile)
         fns = {"dense": fwd_bwd(experts_dense), "blocked": fwd_bwd(lambda *a: experts_sorted(*a, impl="blocked")),
-               "ragged": fwd_bwd(lambda *a: experts_sorted(*a, impl="ragged"))}
+               "capacity": fwd_bwd(experts_capacity), "ragged": fwd_bwd(lambda *a: experts_sorted(*a, impl="ragged"))}
         t = {name: best_time(lambda f=f: f(*args), repeats) for name, f in fns.items() if name != "ragged"}
         # XLA:CPU lowers ragged_dot to a dense [E, rows, D] masked product: 256 experts x 8 rows per
         # token would need ~20 GB here, so the column stops where that would not fit
@@ -90,11 +91,12 @@ def part1(tokens: int, d: int, i: int, repeats: int) -> dict:
                 f = fwd_bwd(ep_fn(mesh, disp, 8, tokens // 8))
                 t[disp] = best_time(lambda f=f: f(*args), repeats)
         ms = {k_: v * 1e3 for k_, v in t.items()}
-        print(f"{e:>5}{k:>4}{ms['dense']:>10.1f}{ms['blocked']:>10.1f}{ms['ragged']:>10.1f}{ms['ragged_a2a']:>10.1f}"
-              f"{ms['ring']:>10.1f}{t['dense'] / t['blocked']:>15.2f}{t['dense'] / t['ragged']:>14.2f}"
-              f"{t['dense'] / t['ragged_a2a']:>14.2f}")
+        print(f"{e:>5}{k:>4}{ms['dense']:>10.1f}{ms['blocked']:>10.1f}{ms['capacity']:>10.1f}{ms['ragged']:>10.1f}"
+              f"{ms['ragged_a2a']:>10.1f}{ms['ring']:>10.1f}{t['dense'] / t['blocked']:>15.2f}"
+              f"{t['dense'] / t['capacity']:>15.2f}{t['dense'] / t['ragged']:>14.2f}{t['dense'] / t['ragged_a2a']:>14.2f}")
         out["rows"].append({"experts": e, "top_k": k, **{f"{k_}_ms": (None if v != v else v) for k_, v in ms.items()},
                             "dense_over_blocked": t["dense"] / t["blocked"],
+                            "dense_over_capacity": t["dense"] / t["capacity"],
                             "dense_over_ep_a2a": t["dense"] / t["ragged_a2a"]})
     return out
 

@@ -40,8 +40,7 @@ def causal_conv(
     seg = jnp.concatenate([ring_seg_BL, seg_BT], axis=1)
     out = jnp.zeros(x_BTC.shape, jnp.float32)
     for j in range(k):  # K = 4: a static unroll is cheaper than a conv with masks
-        tap = jax.lax.dynamic_slice_in_dim(xx, j, t, axis=1)
-        same = jax.lax.dynamic_slice_in_dim(seg, j, t, axis=1) == seg_BT
+        tap, same = xx[:, j:j + t], seg[:, j:j + t] == seg_BT
         out = out + jnp.where(same[..., None], tap.astype(jnp.float32) * w_KC[j].astype(jnp.float32), 0.0)
     return out.astype(x_BTC.dtype)
 
