@@ -335,7 +335,7 @@ def experts_parallel(x_BTD, weights_BTK, experts_BTK, wi_gate_EDI, wi_up_EDI, wo
     if any(over_ep) and not all(over_ep):
         raise NotImplementedError(f"tokens sharded over only some expert axes {ep_axes} (token axes {sorted(tok_axes)})")
     platform = mesh.devices.flat[0].platform
-    impl = resolve_impl(impl, platform)
+    impl = resolve_impl(impl, platform, rows=b * t * weights_BTK.shape[-1], experts=e)
     x_spec = jax.sharding.PartitionSpec(tok[0], tok[1], None)
     e_ax, m_ax = (ep_axes or None), (mlp_axes or None)
     # the embed dim enters sharded as the parameter is (FSDP) and is all-gathered inside: the
@@ -416,7 +416,8 @@ class MoE(nnx.Module):
         else:
             x = x_BTD.reshape(b * t, d).astype(self.dtype)
             probs, weights, experts = route(self.router(x), self.top_k)
-            routed = EXPERT_IMPLS[resolve_impl(self.impl)](x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo))
+            impl = resolve_impl(self.impl, rows=experts.size, experts=self.wi_gate[...].shape[0])
+            routed = EXPERT_IMPLS[impl](x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo))
             valid = ctx["valid"].reshape(-1)
         shared = self.shared_down_proj(jax.nn.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
         gate = jax.nn.sigmoid(self.shared_gate(x).astype(jnp.float32))

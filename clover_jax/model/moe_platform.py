@@ -2,7 +2,7 @@
 
 Paths (`moe.grouped_ffn`): `ragged` (`jax.lax.ragged_dot` + the megablox `tgmm` weight gradient),
 `blocked` (a loop of dots over expert-aligned row blocks), `capacity` (one batched dot over a fixed
-per-expert capacity, the overflow by the blocked loop), `dense` (the reference). `auto` picks:
+per-expert capacity, the overflow by a loop of row blocks), `dense` (the reference). `auto` picks:
 
 * TPU: `ragged`. XLA:TPU runs `ragged_dot` as a grouped kernel and the weight gradient is the
   megablox `tgmm` Pallas kernel, tiled by :func:`tgmm_tiling`.
@@ -28,12 +28,20 @@ IMPLS = ("ragged", "blocked", "capacity", "dense")
 TILES = (512, 256, 128)
 
 
-def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """`auto` -> `ragged` on TPU, `capacity` on CPU, `blocked` on GPU (`platform` default: JAX's
-    backend; a device's `platform` string: "tpu", "gpu", "cuda", "rocm", "cpu"). Others pass through."""
+def resolve_impl(impl: str, platform: str | None = None, rows: int | None = None, experts: int | None = None
+                 ) -> str:
+    """`auto` -> `ragged` on TPU, `blocked` on GPU, `capacity` on CPU (`platform` default: JAX's
+    backend; a device's `platform` string: "tpu", "gpu", "cuda", "rocm", "cpu"), except on CPU when
+    fewer `rows` (token-expert assignments) than `experts` are known to come: the capacity path reads
+    every expert's weights, the blocked loop only the used ones (decoding one token of a 256-expert
+    model: 80 vs 102 ms at D 256, I 512; from one row per expert on, capacity is faster). Other
+    names pass through."""
     if impl == "auto":
         platform = platform or jax.default_backend()
-        return {"tpu": "ragged", "cpu": "capacity"}.get(platform, "blocked")
+        if platform == "cpu":
+            few = rows is not None and experts is not None and rows < experts
+            return "blocked" if few else "capacity"
+        return "ragged" if platform == "tpu" else "blocked"
     if impl not in IMPLS:
         raise ValueError(f"unknown moe_impl {impl!r}; expected auto or one of {sorted(IMPLS)}")
     return impl

@@ -126,6 +126,10 @@ def test_capacity_is_the_cpu_default_and_matches_blocked_in_the_grouped_api():
     from clover_jax.model.moe_platform import resolve_impl
 
     assert resolve_impl("auto", "cpu") == "capacity"
+    assert resolve_impl("auto", "cpu", rows=256, experts=256) == "capacity"
+    assert resolve_impl("auto", "cpu", rows=8, experts=256) == "blocked"  # one decoded token, 256 experts
+    assert resolve_impl("auto", "gpu", rows=8192, experts=16) == "blocked"
+    assert resolve_impl("capacity", "cpu", rows=8, experts=256) == "capacity"  # explicit: as asked
     sizes = jnp.asarray([30, 2, 0, 15], jnp.int32)
     xs = jax.random.normal(jax.random.key(5), (50, 8))
     wg, wu, wo = _weights(jax.random.key(6), 4, 8, 6)
