@@ -40,6 +40,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from . import dispatch, gdn_sharding
+from .context_layout import from_piece_rows, piece_table, pieces, row_order, to_piece_rows
 from .gdn_block_reference import block_masks, block_readout_ref
 from .gdn_reference import repeat_key_heads
 
@@ -107,12 +108,58 @@ def from_previous_shard(x_BT: jax.Array, n: int, axis: str = CONTEXT_AXIS) -> ja
     return lax.ppermute(x_BT[:, x_BT.shape[1] - n:], axis, [(j, j + 1) for j in range(size - 1)])
 
 
-def shard_continues(segment_ids_BT: jax.Array, has_initial_state: bool, axis: str = CONTEXT_AXIS) -> jax.Array:
-    """[B] bool: the shard's first token continues the document of the token before it (for shard 0:
-    whether the row has a carried-in initial state, which belongs to token 0's document)."""
-    prev_B = from_previous_shard(segment_ids_BT, 1, axis)[:, 0]
-    first = lax.axis_index(axis) == 0
-    return jnp.where(first, jnp.full(prev_B.shape, has_initial_state), segment_ids_BT[:, 0] == prev_B)
+def in_row_order(x_RX: jax.Array, layout: str, axis: str = CONTEXT_AXIS) -> jax.Array:
+    """Per piece row values [B * P, ...] of every shard, all-gathered and put in row order:
+    [n * P, B, ...] (row-order piece r of every row b)."""
+    p = pieces(layout)
+    every = lax.all_gather(x_RX, axis)  # [n, B * P, ...]
+    if p == 1:
+        return every
+    n, b = every.shape[0], x_RX.shape[0] // p
+    every = jnp.moveaxis(every.reshape((n, b, p) + x_RX.shape[1:]), 2, 1).reshape((n * p, b) + x_RX.shape[1:])
+    return jnp.take(every, jnp.asarray(row_order(layout, n)), axis=0)
+
+
+def _my_pieces(layout: str, axis: str) -> jax.Array:
+    """[P] int32: the row-order indices of this shard's pieces."""
+    return jnp.asarray(piece_table(layout, lax.axis_size(axis)), jnp.int32)[lax.axis_index(axis)]
+
+
+def _pick(rows_NBX: jax.Array, index_P: jax.Array) -> jax.Array:
+    """Row-order values [n * P, B, ...] -> this shard's piece rows [B * P, ...] at ``index``."""
+    got = jnp.moveaxis(jnp.take(rows_NBX, index_P, axis=0), 0, 1)  # [B, P, ...]
+    return got.reshape((-1,) + got.shape[2:])
+
+
+def from_previous_piece(x_RT: jax.Array, n: int, layout: str, axis: str = CONTEXT_AXIS) -> jax.Array:
+    """For every piece row [B * P, Tp, ...]: the last ``n`` entries of the piece before it in the row
+    (zeros for the row's first piece). One piece per shard: a ``ppermute`` from the previous shard;
+    several: a gather of every piece's tail (n tokens each) put in row order."""
+    if pieces(layout) == 1:
+        return from_previous_shard(x_RT, n, axis)
+    if x_RT.shape[1] < n:
+        raise ValueError(f"context piece of {x_RT.shape[1]} tokens is shorter than the {n}-token halo")
+    rows = in_row_order(x_RT[:, x_RT.shape[1] - n:], layout, axis)
+    mine = _my_pieces(layout, axis)
+    prev = _pick(rows, jnp.maximum(mine - 1, 0))
+    first = jnp.tile(mine == 0, x_RT.shape[0] // mine.shape[0])
+    return jnp.where(first.reshape((-1,) + (1,) * (prev.ndim - 1)), jnp.zeros_like(prev), prev)
+
+
+def first_piece(rows: int, layout: str, axis: str = CONTEXT_AXIS) -> jax.Array:
+    """[rows] bool over the piece rows [B * P]: the piece is its row's first."""
+    mine = _my_pieces(layout, axis)
+    return jnp.tile(mine == 0, rows // mine.shape[0])
+
+
+def shard_continues(segment_ids_RT: jax.Array, has_initial_state: bool, axis: str = CONTEXT_AXIS,
+                    layout: str = "contiguous") -> jax.Array:
+    """[B * P] bool over the piece rows: the piece's first token continues the document of the token
+    before it (for the row's first piece: whether the row has a carried-in initial state, which
+    belongs to token 0's document)."""
+    prev = from_previous_piece(segment_ids_RT, 1, layout, axis)[:, 0]
+    first = first_piece(segment_ids_RT.shape[0], layout, axis)
+    return jnp.where(first, jnp.full(prev.shape, has_initial_state), segment_ids_RT[:, 0] == prev)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,21 +188,21 @@ def augmented_sweep(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, chu
                                            interpret=interpret)
 
 
-def entry_states(A_BHKK: jax.Array, B_BHKV: jax.Array, continues_B: jax.Array, state0_BHKV: jax.Array,
-                 axis: str = CONTEXT_AXIS) -> tuple[jax.Array, jax.Array]:
-    """Exclusive scan of the shard maps over ``axis``: (this shard's entry state, zero where its first
-    token starts a document [B, H, dk, dv]; the row's final state [B, H, dk, dv], equal on every
-    shard). Shard j maps S -> A_j (c_j S) + B_j with c_j = ``continues`` of shard j."""
-    A_BHKK = A_BHKK * continues_B[:, None, None, None].astype(A_BHKK.dtype)
-    maps = (lax.all_gather(A_BHKK, axis), lax.all_gather(B_BHKV, axis))  # [n, B, H, ...] in row order
+def entry_states(A_RHKK: jax.Array, B_RHKV: jax.Array, continues_R: jax.Array, state0_BHKV: jax.Array,
+                 axis: str = CONTEXT_AXIS, layout: str = "contiguous") -> tuple[jax.Array, jax.Array]:
+    """Exclusive scan of the piece maps in row order: (each piece row's entry state, zero where its
+    first token starts a document [B * P, H, dk, dv]; the row's final state [B, H, dk, dv], equal
+    on every shard). Piece r maps S -> A_r (c_r S) + B_r with c_r = ``continues`` of piece r."""
+    A_RHKK = A_RHKK * continues_R[:, None, None, None].astype(A_RHKK.dtype)
+    maps = (in_row_order(A_RHKK, layout, axis), in_row_order(B_RHKV, layout, axis))  # [n P, B, H, ...]
 
     def step(S_BHKV, ab):
         a_BHKK, b_BHKV = ab
         return jnp.einsum("bhkj,bhjv->bhkv", a_BHKK, S_BHKV, precision=_HI) + b_BHKV, S_BHKV
 
     final_BHKV, entries_NBHKV = lax.scan(step, state0_BHKV.astype(jnp.float32), maps)
-    mine = entries_NBHKV[lax.axis_index(axis)]
-    return mine * continues_B[:, None, None, None].astype(mine.dtype), final_BHKV
+    mine = _pick(entries_NBHKV, _my_pieces(layout, axis))
+    return mine * continues_R[:, None, None, None].astype(mine.dtype), final_BHKV
 
 
 def _apply_entry(aug_BTHX: jax.Array, S_in_BHKV: jax.Array, V: int) -> jax.Array:
@@ -167,55 +214,63 @@ def _apply_entry(aug_BTHX: jax.Array, S_in_BHKV: jax.Array, V: int) -> jax.Array
 
 def shard_chunk_gdn(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, state0_BHKV, *,
                     has_initial_state: bool, chunk_size: int, backend: str = "auto", interpret: bool | None = None,
-                    axis: str = CONTEXT_AXIS):
+                    axis: str = CONTEXT_AXIS, layout: str = "contiguous"):
     """Per-shard body of the causal GDN (inside :func:`over_rows`): local shards of every [B, T, ...]
-    input (q, k [B, Tl, HK, dk] with HK dividing H), the row's ``state0`` (zeros when
-    ``has_initial_state`` is False). Returns (o [B, Tl, H, dv] in v's dtype, the row's final state
-    [B, H, dk, dv] fp32)."""
-    V = v_BTHV.shape[-1]
-    o_aug, fin = augmented_sweep(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, chunk_size,
-                                 backend=backend, interpret=interpret)
-    cont = shard_continues(segment_ids_BT, has_initial_state, axis)
-    S_in, final = entry_states(fin[..., V:], fin[..., :V], cont, state0_BHKV, axis)
-    return _apply_entry(o_aug, S_in, V).astype(v_BTHV.dtype), final
+    input (q, k [B, Tl, HK, dk] with HK dividing H) in the context ``layout``, the row's ``state0``
+    (zeros when ``has_initial_state`` is False). The shard's P pieces run as P rows of one call.
+    Returns (o [B, Tl, H, dv] in v's dtype, the row's final state [B, H, dk, dv] fp32)."""
+    p, V = pieces(layout), v_BTHV.shape[-1]
+    q, k, v, g, beta, seg = (to_piece_rows(x, p) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT))
+    o_aug, fin = augmented_sweep(q, k, v, g, beta, seg, chunk_size, backend=backend, interpret=interpret)
+    cont = shard_continues(seg, has_initial_state, axis, layout)
+    S_in, final = entry_states(fin[..., V:], fin[..., :V], cont, state0_BHKV, axis, layout)
+    return from_piece_rows(_apply_entry(o_aug, S_in, V), p).astype(v_BTHV.dtype), final
 
 
 def shard_block_gdn(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, qn_BTHK, kn_BTHK, vn_BTHV, scalars_H3,
                     segment_ids_BT, state0_BHKV, *, has_initial_state: bool, block_size: int, chunk_size: int,
-                    backend: str = "auto", interpret: bool | None = None, axis: str = CONTEXT_AXIS):
-    """Per-shard body of both block-mode streams (``dispatch.block_gated_delta_rule`` on a shard, keys
-    grouped or not). The shard length must be a multiple of ``block_size``. Returns (o_clean,
-    o_noisy [B, Tl, H, dv] in v's dtype, the row's final clean state [B, H, dk, dv] fp32)."""
-    B, T, H, V = v_BTHV.shape
+                    backend: str = "auto", interpret: bool | None = None, axis: str = CONTEXT_AXIS,
+                    layout: str = "contiguous"):
+    """Per-shard body of both block-mode streams (``dispatch.block_gated_delta_rule`` on the shard's
+    piece rows, keys grouped or not). Every piece's length must be a multiple of ``block_size``.
+    Returns (o_clean, o_noisy [B, Tl, H, dv] in v's dtype, the row's final clean state [B, H, dk, dv]
+    fp32)."""
+    p = pieces(layout)
+    q, k, v, g, beta, qn, kn, vn, seg = (to_piece_rows(x, p) for x in (
+        q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, qn_BTHK, kn_BTHK, vn_BTHV, segment_ids_BT))
+    R, T, H, V = v.shape
     if T % block_size:
-        raise ValueError(f"context shard of {T} tokens is not a multiple of block_size {block_size}")
-    v_aug, s0 = augment(v_BTHV, q_BTHK.shape[-1])
-    vn_aug = augment(vn_BTHV, q_BTHK.shape[-1])[0]
+        raise ValueError(f"context piece of {T} tokens is not a multiple of block_size {block_size}")
+    v_aug, s0 = augment(v, q.shape[-1])
+    vn_aug = augment(vn, q.shape[-1])[0]
     o_aug, on_aug, fin = dispatch.block_gated_delta_rule(
-        q_BTHK, k_BTHK, v_aug, g_BTH, beta_BTH, qn_BTHK, kn_BTHK, vn_aug, scalars_H3, block_size=block_size,
-        initial_state=s0, segment_ids=segment_ids_BT, chunk_size=chunk_size, backend=backend, interpret=interpret)
-    cont = shard_continues(segment_ids_BT, has_initial_state, axis)
-    S_in, final = entry_states(fin[..., V:], fin[..., :V], cont, state0_BHKV, axis)
+        q, k, v_aug, g, beta, qn, kn, vn_aug, scalars_H3, block_size=block_size, initial_state=s0, segment_ids=seg,
+        chunk_size=chunk_size, backend=backend, interpret=interpret)
+    cont = shard_continues(seg, has_initial_state, axis, layout)
+    S_in, final = entry_states(fin[..., V:], fin[..., :V], cont, state0_BHKV, axis, layout)
     o_clean = _apply_entry(o_aug, S_in, V)
     o_noisy = _apply_entry(on_aug, S_in, V)
-    # the shard's first block (entry state S_in): the op above gave it the history unit wherever it
-    # continues token 0's document; it exists only where the shard also continues the one before it
-    one = lambda x: repeat_key_heads(x[:, :block_size], H)[:, None]  # noqa: E731  [B, 1, Bk, H, d]
-    same_doc, has_history = block_masks(segment_ids_BT[:, :block_size], B, block_size, block_size, True)
-    first = block_readout_ref(one(qn_BTHK), one(kn_BTHK), one(vn_BTHV), S_in[:, None], same_doc,
-                              has_history & cont[:, None, None], scalars_H3, block_size)
+    # each piece's first block (entry state S_in): the op above gave it the history unit wherever it
+    # continues token 0's document; it exists only where the piece also continues the one before it
+    one = lambda x: repeat_key_heads(x[:, :block_size], H)[:, None]  # noqa: E731  [R, 1, Bk, H, d]
+    same_doc, has_history = block_masks(seg[:, :block_size], R, block_size, block_size, True)
+    first = block_readout_ref(one(qn), one(kn), one(vn), S_in[:, None], same_doc, has_history & cont[:, None, None],
+                              scalars_H3, block_size)
     o_noisy = jnp.concatenate([first[:, 0], o_noisy[:, block_size:]], axis=1)
-    return o_clean.astype(v_BTHV.dtype), o_noisy.astype(vn_BTHV.dtype), final
+    return (from_piece_rows(o_clean, p).astype(v_BTHV.dtype), from_piece_rows(o_noisy, p).astype(vn_BTHV.dtype),
+            final)
 
 
 # ---------------------------------------------------------------------------------------------
 # entry points (the dispatch's argument convention)
-def _prepare(q, v, initial_state, segment_ids, n: int, multiple: int):
+def _prepare(q, v, initial_state, segment_ids, n: int, multiple: int, layout: str = "contiguous"):
     B, T, _, K = q.shape
     H, V = v.shape[2:]
-    if T % n or (T // n) % multiple:
-        raise ValueError(f"GDN context parallelism: sequence length {T} must split into {n} shards whose "
-                         f"length is a multiple of {multiple} (mesh.context, model.block_size)")
+    m = n * pieces(layout)
+    if T % m or (T // m) % multiple:
+        raise ValueError(f"GDN context parallelism: sequence length {T} must split into {m} pieces ({layout} "
+                         f"layout over {n} shards) whose length is a multiple of {multiple} (mesh.context, "
+                         f"model.block_size)")
     seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids).astype(jnp.int32)
     s0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
     return seg, s0
@@ -223,21 +278,24 @@ def _prepare(q, v, initial_state, segment_ids, n: int, multiple: int):
 
 def context_chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size: int = 64,
                                    backend: str = "auto", interpret: bool | None = None, mesh=None,
-                                   batch_axes: Sequence[str] | None = None, head_axes: Sequence[str] | None = None):
+                                   batch_axes: Sequence[str] | None = None, head_axes: Sequence[str] | None = None,
+                                   layout: str = "contiguous"):
     """``dispatch.chunk_gated_delta_rule`` with T sharded over the mesh's ``context`` axis (same
-    arguments and results; a mesh without that axis, or of size 1, runs the dispatch as is). Rows
-    and heads over ``batch_axes`` / ``head_axes`` (:func:`row_specs`)."""
+    arguments and results, every [B, T] array in the ``layout``'s order: ``context_layout.to_layout``;
+    a mesh without that axis, or of size 1, runs the dispatch as is on row order). Rows and heads
+    over ``batch_axes`` / ``head_axes`` (:func:`row_specs`)."""
     n = context_size(mesh)
     kw = dict(chunk_size=chunk_size, backend=backend, interpret=interpret)
     if n == 1:
         return dispatch.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
                                                mesh=mesh, batch_axes=batch_axes, head_axes=head_axes, **kw)
-    seg, s0 = _prepare(q, v, initial_state, segment_ids, n, 1)
+    seg, s0 = _prepare(q, v, initial_state, segment_ids, n, 1, layout)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     sp = row_specs(mesh, q.shape[0], q.shape[2], batch_axes, head_axes)
 
     def body(q, k, v, g, beta, seg, s0):
-        return shard_chunk_gdn(q, k, v, g, beta, seg, s0, has_initial_state=initial_state is not None, **kw)
+        return shard_chunk_gdn(q, k, v, g, beta, seg, s0, has_initial_state=initial_state is not None, layout=layout,
+                               **kw)
 
     return over_rows(body, (sp.tok_h,) * 5 + (sp.tok, sp.state), (sp.tok_h, sp.state),
                      q, k, v, g, beta, seg, s0, mesh=mesh)
@@ -246,22 +304,23 @@ def context_chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segm
 def context_block_gated_delta_rule(q, k, v, g, beta, q_noisy, k_noisy, v_noisy, scalars_H3, *, block_size: int,
                                    initial_state=None, segment_ids=None, chunk_size: int = 64, backend: str = "auto",
                                    interpret: bool | None = None, mesh=None, batch_axes: Sequence[str] | None = None,
-                                   head_axes: Sequence[str] | None = None):
-    """``dispatch.block_gated_delta_rule`` with T sharded over the ``context`` axis; every shard's
-    length must be a multiple of ``block_size`` (no block straddles two shards)."""
+                                   head_axes: Sequence[str] | None = None, layout: str = "contiguous"):
+    """``dispatch.block_gated_delta_rule`` with T sharded over the ``context`` axis, arrays in the
+    ``layout``'s order; every piece's length must be a multiple of ``block_size`` (no block
+    straddles two pieces)."""
     n = context_size(mesh)
     kw = dict(block_size=block_size, chunk_size=chunk_size, backend=backend, interpret=interpret)
     if n == 1:
         return dispatch.block_gated_delta_rule(q, k, v, g, beta, q_noisy, k_noisy, v_noisy, scalars_H3,
                                                initial_state=initial_state, segment_ids=segment_ids, mesh=mesh,
                                                batch_axes=batch_axes, head_axes=head_axes, **kw)
-    seg, s0 = _prepare(q, v, initial_state, segment_ids, n, block_size)
+    seg, s0 = _prepare(q, v, initial_state, segment_ids, n, block_size, layout)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     sp = row_specs(mesh, q.shape[0], q.shape[2], batch_axes, head_axes)
 
     def body(q, k, v, g, beta, qn, kn, vn, sc, seg, s0):
         return shard_block_gdn(q, k, v, g, beta, qn, kn, vn, sc, seg, s0, has_initial_state=initial_state is not None,
-                               **kw)
+                               layout=layout, **kw)
 
     return over_rows(body, (sp.tok_h,) * 8 + (sp.per_head, sp.tok, sp.state), (sp.tok_h, sp.tok_h, sp.state),
                      q, k, v, g, beta, q_noisy, k_noisy, v_noisy, scalars_H3, seg, s0, mesh=mesh)
@@ -269,6 +328,7 @@ def context_block_gated_delta_rule(q, k, v, g, beta, q_noisy, k_noisy, v_noisy, 
 
 __all__ = [
     "CONTEXT_AXIS", "RowSpecs", "augment", "augmented_sweep", "context_block_gated_delta_rule",
-    "context_chunk_gated_delta_rule", "context_size", "entry_states", "from_previous_shard", "over_context",
-    "over_rows", "row_specs", "shard_block_gdn", "shard_chunk_gdn", "shard_continues",
+    "context_chunk_gated_delta_rule", "context_size", "entry_states", "first_piece", "from_previous_piece",
+    "from_previous_shard", "in_row_order", "over_context", "over_rows", "row_specs", "shard_block_gdn",
+    "shard_chunk_gdn", "shard_continues",
 ]

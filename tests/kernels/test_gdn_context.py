@@ -188,3 +188,74 @@ def test_context_gdn_runs_the_pallas_kernels_per_shard(mode):
         assert_rel_close(a, b, FP32_REL, f"{mode} output {i}")
     for i, (a, b) in enumerate(zip(got_g, want_g)):
         assert_rel_close(a, b, FP32_REL, f"{mode} grad {i}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the zig-zag layout: shard i holds row pieces i and 2n-1-i (pallas_kernels/context_layout.py); the
+# inputs are permuted into that order, the outputs back, and everything must equal the row-order
+# one-device run (values, final state, every gradient through the permutation)
+def _zigzag(fn, n: int, tok_args: int):
+    """`fn` on row-order arguments, its first `tok_args` arrays and its [B, T] token outputs in the
+    zig-zag order across the call."""
+    from pallas_kernels.context_layout import from_layout, to_layout
+
+    def run(*a):
+        a = [to_layout(x, n, "zigzag") if i < tok_args else x for i, x in enumerate(a)]
+        outs = fn(*a)
+        return tuple(from_layout(o, n, "zigzag") if o.ndim >= 2 and o.shape[:2] == (B, T) else o for o in outs)
+
+    return run
+
+
+@pytest.mark.parametrize("context", [2, 4])
+def test_zigzag_chunk_gdn_matches_one_device(context):
+    (q, k, v, g, beta), _, init = _inputs(50 + context)
+    seg = _segments()
+    kw = dict(chunk_size=4)
+    ref = lambda *a: chunk_gated_delta_rule_ref(*a[:5], segment_ids=a[5], initial_state=a[6], **kw)  # noqa: E731
+    ctx = _zigzag(lambda *a: context_chunk_gated_delta_rule(*a[:5], segment_ids=a[5], initial_state=a[6],
+                                                            layout="zigzag", **kw), context, 6)
+    args = (q, k, v, g, beta, seg, init)
+    argn = (0, 1, 2, 3, 4, 6)
+    want = fast_jit(ref)(*args)
+    want_g = fast_jit(jax.grad(_loss(ref), argn))(*args)
+    mesh = _mesh(context)
+    with jax.set_mesh(mesh):
+        got = fast_jit(ctx)(*args)
+        got_g = fast_jit(jax.grad(_loss(ctx), argn))(*args)
+    for name, a, b in zip(("o", "final"), got, want):
+        assert_rel_close(a, b, FP32_REL, f"{name}, zigzag context {context}")
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got_g, want_g):
+        assert_rel_close(a, b, FP32_REL, f"d{name}, zigzag context {context}")
+
+
+@pytest.mark.parametrize("context,block,chunk", [(2, 4, 4), (4, 4, 2)])
+def test_zigzag_block_gdn_matches_one_device(context, block, chunk):
+    """Both streams; every piece's first block re-read from its entry state (the second piece of a
+    shard continues a document that ran through the other shards)."""
+    (q, k, v, g, beta), (qn, kn, vn, sc), init = _inputs(60 + context)
+    seg = _segments()
+    kw = dict(block_size=block, chunk_size=chunk)
+    ref = lambda *a: block_gated_delta_rule_ref(*a[:8], a[9], segment_ids=a[8], initial_state=a[10], **kw)  # noqa: E731
+    ctx = _zigzag(lambda *a: context_block_gated_delta_rule(*a[:8], a[9], segment_ids=a[8], initial_state=a[10],
+                                                            layout="zigzag", **kw), context, 9)
+    args = (q, k, v, g, beta, qn, kn, vn, seg, sc, init)
+    argn = (0, 1, 2, 3, 4, 5, 6, 7, 9, 10)
+    want = fast_jit(ref)(*args)
+    want_g = fast_jit(jax.grad(_loss(ref), argn))(*args)
+    mesh = _mesh(context)
+    with jax.set_mesh(mesh):
+        got = fast_jit(ctx)(*args)
+        got_g = fast_jit(jax.grad(_loss(ctx), argn))(*args)
+    for name, a, b in zip(("o_clean", "o_noisy", "final"), got, want):
+        assert_rel_close(a, b, FP32_REL, f"{name}, zigzag context {context}")
+    names = ("q", "k", "v", "g", "beta", "q_noisy", "k_noisy", "v_noisy", "scalars", "initial_state")
+    for name, a, b in zip(names, got_g, want_g):
+        assert_rel_close(a, b, FP32_REL, f"d{name}, zigzag context {context}")
+
+
+def test_zigzag_piece_length_is_checked():
+    (q, k, v, g, beta), (qn, kn, vn, sc), _ = _inputs(0)
+    with jax.set_mesh(_mesh(4)):  # 8 pieces of 4 tokens: not a multiple of block 8
+        with pytest.raises(ValueError, match="8 pieces \\(zigzag layout over 4 shards\\)"):
+            context_block_gated_delta_rule(q, k, v, g, beta, qn, kn, vn, sc, block_size=8, layout="zigzag")
