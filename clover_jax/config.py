@@ -76,6 +76,10 @@ class ModelConfig:
     attn_backend: Literal["auto", "splash", "flash", "reference"] = "auto"
     moe_impl: Literal["auto", "ragged", "blocked", "capacity", "dense"] = "auto"
     moe_dispatch: Literal["ragged_a2a", "ring"] = "ragged_a2a"  # expert-parallel dispatch under a mesh
+    # order of a row's tokens over the `context` mesh axis (used only when it is > 1): "contiguous"
+    # shards, or "zigzag" (shard i holds row pieces i and 2n-1-i: equal causal attention work per
+    # shard; pallas_kernels.context_layout); zigzag runs the reference attention per shard for now
+    context_layout: Literal["contiguous", "zigzag"] = "contiguous"
     scan_layers: bool = True
     remat: str = "none"  # activation checkpointing of each layer group: a clover_jax.parallel.remat policy name
     # block diffusion (docs/design.md 3; written to config.json of `clover_moe` checkpoints)
@@ -121,6 +125,10 @@ class ModelConfig:
 
         if self.attn_backend not in ATTN_BACKENDS:
             raise ModelConfigError(f"attn_backend: unknown backend {self.attn_backend!r} (known: {', '.join(ATTN_BACKENDS)})")
+        from pallas_kernels.context_layout import LAYOUTS
+
+        if self.context_layout not in LAYOUTS:
+            raise ModelConfigError(f"context_layout: unknown layout {self.context_layout!r} (known: {', '.join(LAYOUTS)})")
         from clover_jax.parallel.remat import POLICIES  # jax only; no model import
 
         if self.remat not in POLICIES:

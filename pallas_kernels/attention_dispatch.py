@@ -63,18 +63,20 @@ def stream_attention(
     mesh=None,
     batch_axes: Sequence[str] | None = None,
     head_axes: Sequence[str] | None = None,
+    context_layout: str = "contiguous",
 ) -> jax.Array:
     """Attention of one training stream (see ``splash_attention`` for shapes and the mask rules;
     ``flash_attention`` has the same contract).
 
     ``mask_BTS``: the reference's precomputed boolean mask (the model builds it once per forward, not
     once per layer); None = built here from the segment ids. Ignored by the kernel, which needs only
-    the segment ids. Returns [B, T, H, D]."""
+    the segment ids. ``context_layout``: the order of a context-sharded row (``context_layout``).
+    Returns [B, T, H, D]."""
     backend = resolve_attn_backend(backend)
     if context_size(mesh) > 1:  # T sharded over the `context` axis: gathered K/V, the backend per shard
         kw = {} if backend == "reference" else dict(interpret=interpret, batch_axes=batch_axes, head_axes=head_axes)
         return context_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
-                                        mesh=mesh, backend=backend, **kw)
+                                        mesh=mesh, backend=backend, layout=context_layout, **kw)
     if backend == "splash":
         return splash_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
                                 interpret=interpret, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes)

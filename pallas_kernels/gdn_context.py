@@ -14,7 +14,10 @@ A document start inside the shard zeroes every column, so ``A = 0`` after one. T
 shards are all-gathered over the axis and composed in row order from the row's initial state, which
 gives each shard its true entry state ``S_in`` (zeroed when the shard's first token starts a
 document: the segment id of the token before the shard comes from the neighbour by ``ppermute``).
-Then ``o = o0 + P S_in`` exactly: no second pass. Block mode runs the block op on ``[v | 0]`` and
+Then ``o = o0 + P S_in`` exactly: no second pass. A layout with several pieces of the row per
+shard (``context_layout``: zigzag, pieces i and 2n-1-i) runs them as rows of the same call, and the
+maps of all 2n pieces are composed in row order (``in_row_order``); each piece continues (and reads
+its conv halo from) the piece before it in the row, wherever that piece lives. Block mode runs the block op on ``[v | 0]`` and
 ``[v_noisy | 0]`` from ``[0 | I]`` the same way (the noisy readout is linear in the block-entry
 state ``S_n = B_n + A_n S_in``), except the shard's first block: its history unit exists only where
 the shard continues the document before it, which a per-row flag decides, so that one block is read

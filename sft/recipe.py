@@ -345,7 +345,7 @@ def prepare(cfg: SFTConfig) -> SFTSetup:
     try:
         mesh = sh.make_mesh(cfg.mesh, devices)
         check_context_split(cfg.data.seq_len, dict(mesh.shape)["context"], mcfg.block_sizes, mcfg.gdn_chunk_size,
-                            mcfg.linear_conv_kernel_dim)
+                            mcfg.linear_conv_kernel_dim, layout=mcfg.context_layout)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model = abstract_model(mcfg)

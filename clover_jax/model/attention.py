@@ -116,7 +116,8 @@ class Attention(nnx.Module):
             cache = {"k": k_all, "v": v_all}
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
         if cache is None and context_size() > 1:  # T sharded over the `context` mesh axis
-            out = stream_attention(q, k, v, ctx["segment_ids"], stream="clean", backend=self.backend)
+            out = stream_attention(q, k, v, ctx["segment_ids"], stream="clean", backend=self.backend,
+                                   context_layout=ctx.get("context_layout", "contiguous"))
         elif "mask" in ctx and cache is None:  # the reference backend's causal forward
             out = attend_spans(q, k, v, ctx["mask"], causal_spans(q.shape[1]))
         elif "mask" in ctx:  # against a cache: the dense mask is given
@@ -140,7 +141,8 @@ class Attention(nnx.Module):
         if context_size() > 1:  # each stream's T over the `context` axis: one K/V exchange for both
             out_c, out_n = context_two_stream_attention(q_c, q_n, k_c, k_n, v_c, v_n, seg,
                                                         block_size=ctx["block_size"],
-                                                        backend=resolve_attn_backend(self.backend))
+                                                        backend=resolve_attn_backend(self.backend),
+                                                        layout=ctx.get("context_layout", "contiguous"))
             return self.output(join_streams(out_c, out_n), gate)
         out_c = stream_attention(q_c, k_c, v_c, seg, stream="clean", backend=self.backend, mask_BTS=ctx.get("mask"))
         out_n = stream_attention(q_n, jnp.concatenate([k_c, k_n], axis=1), jnp.concatenate([v_c, v_n], axis=1), seg,

@@ -19,6 +19,8 @@ from clover_jax.config import ModelConfig
 from clover_jax.model.layers import init_stack_cache, run_stack, stacked_group
 from clover_jax.model.nn import RMSNorm, dtype_of, make_param, normal
 from pallas_kernels.attention_dispatch import resolve_attn_backend
+from pallas_kernels.context_layout import from_layout, to_layout
+from pallas_kernels.gdn_context import context_size
 from pallas_kernels.stream_layout import join_streams, split_streams
 from clover_jax.model.params import Tree, check_flat_shapes, flatten, unflatten
 
@@ -122,14 +124,27 @@ class CloverModel(nnx.Module):
             segment_ids_BT = jnp.ones((b, t), jnp.int32)
         if positions_BT is None:
             positions_BT = document_positions(segment_ids_BT)
+        n, layout = self._context_layout()
+        ids, segment_ids_BT, positions_BT = (to_layout(a, n, layout) for a in (input_ids_BT, segment_ids_BT,
+                                                                                positions_BT))
         slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         lring = self.cfg.linear_conv_kernel_dim - 1
         ring_seg = jnp.full((b, lring), NO_SEGMENT, jnp.int32)
         ctx = self._contexts(segment_ids_BT, positions_BT, slots, slots, segment_ids_BT, ring_seg,
                              jnp.zeros((b,), bool), cached=False)
-        x, _, aux = run_stack(self.groups, self.embed(input_ids_BT, dtype_of(self.cfg.dtype)), ctx, None,
+        for part in ("attn", "gdn"):
+            ctx[part]["context_layout"] = layout
+        x, _, aux = run_stack(self.groups, self.embed(ids, dtype_of(self.cfg.dtype)), ctx, None,
                               scan=self.cfg.scan_layers)
-        return self.final_norm(x), _reduce_aux(self.cfg, aux)
+        return from_layout(self.final_norm(x), n, layout), _reduce_aux(self.cfg, aux)
+
+    def _context_layout(self) -> tuple[int, str]:
+        """(context size of the active mesh, the row layout over it): `cfg.context_layout` when the
+        row is sharded over a `context` axis > 1, else contiguous (nothing is permuted). Under a
+        zigzag layout the stack runs on the permuted row (token ids, positions and segment ids are
+        gathered in, the final hidden states gathered back), so everything outside sees row order."""
+        n = context_size()
+        return n, (self.cfg.context_layout if n > 1 else "contiguous")
 
     def logits(self, h_BTD: jax.Array) -> jax.Array:
         """lm_head on hidden states, fp32 logits [B, T, V]."""
@@ -238,20 +253,23 @@ class CloverModel(nnx.Module):
             raise ValueError(f"sequence length {t} is not a multiple of block_size {bk}: pad the rows (packing does)")
         seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
         positions_BT = document_positions(seg) if positions is None else positions
+        n, layout = self._context_layout()
+        input_ids_BT, noisy_ids_BT, seg, positions_BT = (to_layout(a, n, layout) for a in (
+            input_ids_BT, noisy_ids_BT, seg, positions_BT))
         cos, sin = rope_tables(positions_BT, cfg.rotary_dim, cfg.rope_theta)
-        attn_ctx = {"cos": cos, "sin": sin, "segment_ids": seg, "block_size": bk}
+        attn_ctx = {"cos": cos, "sin": sin, "segment_ids": seg, "block_size": bk, "context_layout": layout}
         if resolve_attn_backend(cfg.attn_backend) == "reference":  # the kernel needs no dense masks
             attn_ctx["mask"], attn_ctx["noisy_mask"] = two_stream_masks(seg, bk)
         valid = seg != PAD_SEGMENT
         ctx = {
             "stream": "two_stream",
             "attn": attn_ctx,
-            "gdn": {"segment_ids": seg, "block_size": bk, "empty_segment": NO_SEGMENT},
+            "gdn": {"segment_ids": seg, "block_size": bk, "empty_segment": NO_SEGMENT, "context_layout": layout},
             "valid": join_streams(valid, valid),
         }
         ids = join_streams(input_ids_BT, noisy_ids_BT)  # [B, 2T]: a context shard holds both streams' pieces
         x, _, aux = run_stack(self.groups, self.embed(ids, dtype_of(cfg.dtype)), ctx, None, scan=cfg.scan_layers)
-        h_clean, h_noisy = split_streams(self.final_norm(x))
+        h_clean, h_noisy = (from_layout(h, n, layout) for h in split_streams(self.final_norm(x)))
         return h_clean, h_noisy, _reduce_aux(cfg, aux)
 
     def block_logits(

@@ -6,8 +6,11 @@ XLA); the sequence mixing runs per shard in one `shard_map` manual over every me
 (`pallas_kernels.gdn_context.over_rows`): rows over the axes THE rule table gives `batch`, key and
 value heads over those of `act_heads` (the conv channels and taps with them), tokens over `context`.
 
-- conv halo: the K-1 pre-conv clean inputs before the shard (and their segment ids) come from the
-  previous shard by `ppermute`; shard 0 gets the empty ring of the one-device run. The conv masks
+- conv halo: the K-1 pre-conv clean inputs before each piece of the row the shard holds (and their
+  segment ids) come from the piece before it (`pallas_kernels.gdn_context.from_previous_piece`: the
+  previous shard by `ppermute` for contiguous shards; for the zigzag layout, whose shards hold two
+  pieces each, from the pieces' tails gathered in row order); the row's first piece gets the empty
+  ring of the one-device run. The conv masks
   taps by segment as on one device, so a document start at (or just after) a shard boundary reads
   nothing of the document before it. The noisy stream's block rings read the same halo.
 - recurrence: `pallas_kernels.gdn_context` (affine shard maps, scanned across the axis), each shard
@@ -20,22 +23,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from clover_jax.model.gdn import CONV_PARTS, block_rings
 from clover_jax.parallel import sharding as sh
+from pallas_kernels.context_layout import from_piece_rows, pieces, to_piece_rows
 from pallas_kernels.gdn_context import (
-    CONTEXT_AXIS, RowSpecs, from_previous_shard, over_rows, row_specs, shard_block_gdn, shard_chunk_gdn,
+    CONTEXT_AXIS, RowSpecs, first_piece, from_previous_piece, over_rows, row_specs, shard_block_gdn, shard_chunk_gdn,
 )
 from pallas_kernels.stream_layout import join_streams, split_streams
 
 
-def _halo(parts: dict[str, jax.Array], seg_BT: jax.Array, lring: int, empty_segment: int):
-    """({part: the previous shard's last L pre-conv inputs [B, L, C]}, their segment ids [B, L]);
-    zeros with `empty_segment` on shard 0."""
-    rings = {p: from_previous_shard(parts[p], lring, CONTEXT_AXIS) for p in CONV_PARTS}
-    ring_seg = from_previous_shard(seg_BT, lring, CONTEXT_AXIS)
-    ring_seg = jnp.where(lax.axis_index(CONTEXT_AXIS) == 0, empty_segment, ring_seg)
+def _halo(parts: dict[str, jax.Array], seg_RT: jax.Array, lring: int, empty_segment: int, layout: str):
+    """For every piece row [B * P, Tp] of the shard: ({part: the last L pre-conv inputs of the piece
+    before it in the row [B * P, L, C]}, their segment ids [B * P, L]); zeros with `empty_segment`
+    for the row's first piece."""
+    rings = {p: from_previous_piece(parts[p], lring, layout, CONTEXT_AXIS) for p in CONV_PARTS}
+    ring_seg = from_previous_piece(seg_RT, lring, layout, CONTEXT_AXIS)
+    ring_seg = jnp.where(first_piece(seg_RT.shape[0], layout, CONTEXT_AXIS)[:, None], empty_segment, ring_seg)
     return rings, ring_seg
 
 
@@ -66,12 +70,18 @@ def clean_forward(layer, x_BTD: jax.Array, ctx: dict[str, Any], empty_segment: i
     weights = layer.conv_weights()
     sp = _specs(layer, x_BTD.shape[0])
 
+    layout = ctx.get("context_layout", "contiguous")
+    npc = pieces(layout)
+
     def body(q, k, v, g, beta, seg, w):
         parts = {"q": q, "k": k, "v": v}
-        rings, ring_seg = _halo(parts, seg, lring, empty_segment)
-        qh, kh, vh = layer.heads(layer._conv_parts(parts, seg, rings, ring_seg, w), repeat=False)
+        parts, seg_r = {p: to_piece_rows(x, npc) for p, x in parts.items()}, to_piece_rows(seg, npc)
+        rings, ring_seg = _halo(parts, seg_r, lring, empty_segment, layout)
+        conv = {p: from_piece_rows(x, npc) for p, x in layer._conv_parts(parts, seg_r, rings, ring_seg, w).items()}
+        qh, kh, vh = layer.heads(conv, repeat=False)
         o, _ = shard_chunk_gdn(qh, kh, vh, g, beta, seg, _zero_state(vh, c.linear_key_head_dim),
-                               has_initial_state=False, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend)
+                               has_initial_state=False, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend,
+                               layout=layout)
         return o
 
     w_specs = {name: sp.channel for name in weights}
@@ -94,22 +104,28 @@ def two_stream(layer, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
     weights = layer.conv_weights()
     sp = _specs(layer, x_BSD.shape[0])
 
+    layout = ctx.get("context_layout", "contiguous")
+    npc = pieces(layout)
+
     def body(cq, ck, cv, nq, nk, nv, g, beta, seg, w, scalars):
-        b, tl = seg.shape
-        n = tl // bk
-        clean, noisy = {"q": cq, "k": ck, "v": cv}, {"q": nq, "k": nk, "v": nv}
-        rings, ring_seg = _halo(clean, seg, lring, empty)
-        conv_c = layer._conv_parts(clean, seg, rings, ring_seg, w)
-        blocks = lambda a: a.reshape((b * n, bk) + a.shape[2:])  # noqa: E731
-        ring_parts = {p: block_rings(clean[p], seg, bk, lring, empty, halo=(rings[p], ring_seg)) for p in CONV_PARTS}
-        conv_n = layer._block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg),
-                                         {p: r for p, (r, _) in ring_parts.items()}, ring_parts["q"][1], w)
-        conv_n = {p: v.reshape(b, tl, -1) for p, v in conv_n.items()}
-        q_c, k_c, v_c = layer.heads(conv_c, repeat=False)
-        q_n, k_n, v_n = layer.heads(conv_n, repeat=False)
+        rows = lambda a: to_piece_rows(a, npc)  # noqa: E731  the shard's pieces as rows [B * P, Tp]
+        seg_r = rows(seg)
+        r, tp = seg_r.shape
+        n = tp // bk
+        clean, noisy = {"q": rows(cq), "k": rows(ck), "v": rows(cv)}, {"q": rows(nq), "k": rows(nk), "v": rows(nv)}
+        rings, ring_seg = _halo(clean, seg_r, lring, empty, layout)
+        conv_c = layer._conv_parts(clean, seg_r, rings, ring_seg, w)
+        blocks = lambda a: a.reshape((r * n, bk) + a.shape[2:])  # noqa: E731
+        ring_parts = {p: block_rings(clean[p], seg_r, bk, lring, empty, halo=(rings[p], ring_seg)) for p in CONV_PARTS}
+        conv_n = layer._block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg_r),
+                                         {p: r_ for p, (r_, _) in ring_parts.items()}, ring_parts["q"][1], w)
+        back = lambda a: from_piece_rows(a.reshape(r, tp, -1), npc)  # noqa: E731
+        q_c, k_c, v_c = layer.heads({p: back(x) for p, x in conv_c.items()}, repeat=False)
+        q_n, k_n, v_n = layer.heads({p: back(x) for p, x in conv_n.items()}, repeat=False)
         o_c, o_n, _ = shard_block_gdn(q_c, k_c, v_c, g, beta, q_n, k_n, v_n, scalars, seg,
                                       _zero_state(v_c, c.linear_key_head_dim), has_initial_state=False,
-                                      block_size=bk, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend)
+                                      block_size=bk, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend,
+                                      layout=layout)
         return o_c, o_n
 
     w_specs = {name: sp.channel for name in weights}

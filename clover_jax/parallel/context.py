@@ -1,4 +1,5 @@
-"""Context parallelism: the `context` mesh axis splits every row's sequence into contiguous shards.
+"""Context parallelism: the `context` mesh axis splits every row's sequence into shards (contiguous
+pieces of the row, or two pieces each for `model.context_layout: zigzag`: pallas_kernels.context_layout).
 
 `length -> context` in THE rule table (`parallel.sharding`) shards [B, T, ...] activations along
 T. The sequence-mixing layers run per shard under a `shard_map`: the GDN, manual over every mesh
@@ -6,8 +7,8 @@ axis (rows and heads split as the rule table lays them out), folds each shard in
 map and scans the maps across shards (`pallas_kernels.gdn_context`); attention gathers K/V over the
 axis (`pallas_kernels.attention_context`). Token-wise layers (projections, MoE, norms) need nothing.
 
-The split must keep every block (block diffusion) and every GDN chunk inside one shard, and give
-each shard at least the conv's K-1 left taps: `check_context_split` says so naming the config keys.
+The split must keep every block (block diffusion) and every GDN chunk inside one piece, and give
+each piece at least the conv's K-1 left taps: `check_context_split` says so naming the config keys.
 """
 
 from __future__ import annotations
@@ -18,27 +19,33 @@ CONTEXT_AXIS = "context"
 
 
 def check_context_split(seq_len: int, context: int, block_sizes: Sequence[int] = (), gdn_chunk_size: int = 1,
-                        conv_kernel: int = 1, *, where: str = "config") -> int:
-    """Validates that rows of `seq_len` tokens split into `context` shards whose length is a multiple
-    of every block size and of the GDN chunk and holds the conv halo; returns the shard length.
-    Errors name the keys (`mesh.context`, `data.seq_len`, `model.block_size`, `model.gdn_chunk_size`)."""
+                        conv_kernel: int = 1, *, where: str = "config", layout: str = "contiguous") -> int:
+    """Validates that rows of `seq_len` tokens split into `context` shards whose pieces (one per
+    shard; two for the zigzag `layout`) are a multiple of every block size and of the GDN chunk and
+    hold the conv halo; returns the piece length. Errors name the keys (`mesh.context`,
+    `data.seq_len`, `model.block_size`, `model.gdn_chunk_size`, `model.context_layout`)."""
+    from pallas_kernels.context_layout import pieces
+
     if context < 1:
         raise ValueError(f"{where}: mesh.context must be >= 1, got {context}")
-    if seq_len % context:
-        raise ValueError(f"{where}: data.seq_len={seq_len} does not split into mesh.context={context} equal shards")
-    shard = seq_len // context
+    m = context * (pieces(layout) if context > 1 else 1)
+    if seq_len % m:
+        split = f"mesh.context={context} equal shards" if m == context else (
+            f"{m} equal pieces (mesh.context={context}, model.context_layout={layout}: 2 pieces per shard)")
+        raise ValueError(f"{where}: data.seq_len={seq_len} does not split into {split}")
+    shard = seq_len // m
     if context == 1:
         return shard
     for bk in block_sizes:
         if shard % bk:
-            raise ValueError(f"{where}: a context shard holds data.seq_len / mesh.context = {seq_len} / {context} = "
-                             f"{shard} tokens, not a multiple of model.block_size={bk} (a block may not straddle "
-                             "two shards)")
+            raise ValueError(f"{where}: a context piece holds data.seq_len / {m} = {seq_len} / {m} = "
+                             f"{shard} tokens (mesh.context={context}, model.context_layout={layout}), not a multiple "
+                             f"of model.block_size={bk} (a block may not straddle two pieces)")
     if shard % gdn_chunk_size:
-        raise ValueError(f"{where}: a context shard holds data.seq_len / mesh.context = {shard} tokens, not a "
+        raise ValueError(f"{where}: a context piece holds data.seq_len / {m} = {shard} tokens, not a "
                          f"multiple of model.gdn_chunk_size={gdn_chunk_size}")
     if shard < conv_kernel - 1:
-        raise ValueError(f"{where}: a context shard holds {shard} tokens, fewer than the conv's "
+        raise ValueError(f"{where}: a context piece holds {shard} tokens, fewer than the conv's "
                          f"model.linear_conv_kernel_dim - 1 = {conv_kernel - 1} left taps")
     return shard
 

@@ -115,3 +115,41 @@ def test_context_attention_checks_the_split():
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="multiple of block_size 16"):
         fast_jit(lambda q, k, v: context_stream_attention(q, k, v, jnp.asarray(SEG), stream="noisy",
                                                           block_size=16))(q, k, v)
+
+
+@pytest.mark.parametrize("stream,block,context", [("clean", 1, 4), ("noisy", 4, 4), ("noisy", 4, 8), ("clean", 1, 2)])
+def test_zigzag_context_attention_equals_one_device(stream, block, context):
+    """The zigzag layout (shard i holds row pieces i and 2n-1-i): inputs permuted into it, the
+    output permuted back, values and dq, dk, dv equal the one-device row (the masks compare row
+    positions, so a shard's late piece sees the whole row before it, its early piece only its
+    own prefix). Noisy keys [B, 2T]: each stream permuted on its own."""
+    from pallas_kernels.context_layout import from_layout, to_layout
+
+    q, k, v, w = _inputs(stream)
+    seg = jnp.asarray(SEG)
+    if stream == "clean":
+        ref = lambda q, k, v: clean_attention_ref(q, k, v, seg)  # noqa: E731
+    else:
+        ref = lambda q, k, v: noisy_attention_ref(q, k, v, seg, block)  # noqa: E731
+    want, want_g = _vg(ref, q, k, v, w)
+    lay = lambda x: to_layout(x, context, "zigzag")  # noqa: E731
+    keys = lambda x: lay(x) if stream == "clean" else jnp.concatenate([lay(x[:, :T]), lay(x[:, T:])], axis=1)  # noqa: E731
+
+    def zz(q, k, v):
+        out = context_stream_attention(lay(q), keys(k), keys(v), lay(seg), stream=stream, block_size=block,
+                                       layout="zigzag")
+        return from_layout(out, context, "zigzag")
+
+    mesh = jax.make_mesh((8 // context, context), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        got, got_g = _vg(zz, q, k, v, w)
+    assert_rel_close(got, want, FP32_REL, f"zigzag {stream} b{block} c{context} output")
+    for name, a, b in zip("qkv", got_g, want_g):
+        assert_rel_close(a, b, FP32_REL, f"zigzag {stream} b{block} c{context} d{name}")
+
+
+def test_zigzag_refuses_the_kernels_per_shard():
+    q, k, v, _ = _inputs("clean")
+    with jax.set_mesh(jax.make_mesh((4, 2), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)):
+        with pytest.raises(NotImplementedError, match="zigzag layout runs the reference attention only"):
+            context_stream_attention(q, k, v, jnp.asarray(SEG), stream="clean", backend="splash", layout="zigzag")

@@ -51,6 +51,12 @@ def test_context_split_validation_names_the_keys():
         check_context_split(8, 4, (1,), 1, 4)
     with pytest.raises(ValueError, match=r"mesh.context must be >= 1"):
         check_context_split(8, 0)
+    # zigzag: two pieces per shard, each a whole number of blocks and chunks
+    assert check_context_split(32768, 8, (4, 32), 64, 4, layout="zigzag") == 2048
+    with pytest.raises(ValueError, match=r"into 16 equal pieces \(mesh.context=8, model.context_layout=zigzag"):
+        check_context_split(808, 8, layout="zigzag")  # 808 = 8 x 101: contiguous shards would do
+    with pytest.raises(ValueError, match=r"context piece holds data.seq_len / 8 = 256 / 8 = 32 tokens .*block_size=64"):
+        check_context_split(256, 4, (64,), layout="zigzag")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,11 +99,12 @@ def _batches(length: int, block: int):
     return {k: jnp.asarray(np.stack([b[k] for b in each])) for k in each[0]}
 
 
-def _train(params, batches, block: int, mesh=None):
+def _train(params, batches, block: int, mesh=None, layout: str = "contiguous"):
     """STEPS SGD steps in one program: per step (loss, AR logits of the plain forward, block logits,
     gradients), stacked, and the final params. Loss = next-token CE of the clean stream + masked-token
-    CE of the block predictions + 0.01 * lb loss."""
-    graphdef, _ = nnx.split(abstract_model(CFG))
+    CE of the block predictions + 0.01 * lb loss. `layout`: the model's context layout."""
+    cfg = CFG.replace(context_layout=layout)
+    graphdef, _ = nnx.split(abstract_model(cfg))
 
     def loss_fn(p, b):
         model = nnx.merge(graphdef, p)
@@ -116,7 +123,7 @@ def _train(params, batches, block: int, mesh=None):
     run = lambda p, bs: lax.scan(step, p, bs)  # noqa: E731
     if mesh is None:
         return jax.jit(run).lower(params, batches).compile(compiler_options=FAST_COMPILE)(params, batches)
-    params = model_to_params(sh.shard_params(model_from_params(CFG, params), mesh))
+    params = model_to_params(sh.shard_params(model_from_params(cfg, params), mesh))
     spec = sh.batch_sharding(mesh, shape=batches["ids"].shape[1:]).spec
     assert spec[1] == "context"
     batches = {k: jax.device_put(v, NamedSharding(mesh, P(None, *spec))) for k, v in batches.items()}
@@ -137,12 +144,16 @@ def reference(params):
     return get
 
 
-@pytest.mark.parametrize("mesh_shape,length,block", [
-    (dict(fsdp=1, context=8), 64, 4),  # shards of 8 tokens: 2 blocks, 2 GDN chunks, the conv halo from the neighbour
-    (dict(fsdp=2, context=4), 64, 4),
-    (dict(fsdp=2, expert=2, context=2), 64, 32),  # one 32-token block per shard
+@pytest.mark.parametrize("mesh_shape,length,block,layout", [
+    (dict(fsdp=1, context=8), 64, 4, "contiguous"),  # shards of 8 tokens: 2 blocks, 2 GDN chunks, the halo from the neighbour
+    (dict(fsdp=2, context=4), 64, 4, "contiguous"),
+    (dict(fsdp=2, expert=2, context=2), 64, 32, "contiguous"),  # one 32-token block per shard
+    # zigzag: shard i holds row pieces i and 2n-1-i (pieces of 8 / 4 tokens); the halo, the GDN entry
+    # states and the attention masks follow the row order across the pieces
+    (dict(fsdp=2, context=4), 64, 4, "zigzag"),
+    (dict(fsdp=1, context=8), 64, 4, "zigzag"),
 ], ids=lambda v: str(v))
-def test_model_training_with_context_equals_single_device(params, reference, mesh_shape, length, block):
+def test_model_training_with_context_equals_single_device(params, reference, mesh_shape, length, block, layout):
     """STEPS training steps. Every step: the same loss; the first: AR logits, block logits and every
     gradient too (fp32, 1e-5 of the reference's max magnitude; gradients: of the whole tree's, as in
     test_sharding). Later steps' logits are not compared element by element: after a step the two
@@ -152,7 +163,7 @@ def test_model_training_with_context_equals_single_device(params, reference, mes
     the loss jumps (1e-4 measured at step 2 with top-2)."""
     ref_params, (ref_loss, ref_ar, ref_bd, ref_grads) = reference(length, block)
     mesh = sh.make_mesh(sh.MeshConfig(**mesh_shape))
-    _, (loss, ar, bd, grads) = _train(params, _batches(length, block), block, mesh)
+    _, (loss, ar, bd, grads) = _train(params, _batches(length, block), block, mesh, layout)
     moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params)))
     assert moved > 1e-2, "the SGD steps must move the params (else later losses check nothing new)"
     for i in range(STEPS):
