@@ -78,7 +78,7 @@ class ModelConfig:
     moe_dispatch: Literal["ragged_a2a", "ring"] = "ragged_a2a"  # expert-parallel dispatch under a mesh
     # order of a row's tokens over the `context` mesh axis (used only when it is > 1): "contiguous"
     # shards, or "zigzag" (shard i holds row pieces i and 2n-1-i: equal causal attention work per
-    # shard; pallas_kernels.context_layout); zigzag runs the reference attention per shard for now
+    # shard; pallas_kernels.context_layout)
     context_layout: Literal["contiguous", "zigzag"] = "contiguous"
     scan_layers: bool = True
     remat: str = "none"  # activation checkpointing of each layer group: a clover_jax.parallel.remat policy name

@@ -75,16 +75,13 @@ def shard_noisy_attention(q_BTHD, kc_BTKD, vc_BTKD, kn_BTKD, vn_BTKD, seg_BT, bl
                   mask)
 
 
-def _check_split(t: int, block_size: int, mesh, layout: str = "contiguous", backend: str = "reference") -> None:
+def _check_split(t: int, block_size: int, mesh, layout: str = "contiguous") -> None:
     n = context_size(mesh)
     m = n * pieces(layout)
     if t % m or (t // m) % block_size:
         raise ValueError(f"attention context parallelism: sequence length {t} must split into {m} pieces ({layout} "
                          f"layout over mesh.context={n}) whose length is a multiple of block_size {block_size}")
-    if layout != "contiguous" and backend != "reference":
-        raise NotImplementedError(f"attention context parallelism: the {layout} layout runs the reference "
-                                  f"attention only; the {backend} kernels per shard assume contiguous shards "
-                                  "(set model.attn_backend: reference, or model.context_layout: contiguous)")
+
 
 
 def context_two_stream_attention(q_c_BTHD, q_n_BTHD, k_c_BTKD, k_n_BTKD, v_c_BTKD, v_n_BTKD, segment_ids_BT, *,
@@ -98,14 +95,15 @@ def context_two_stream_attention(q_c_BTHD, q_n_BTHD, k_c_BTKD, k_n_BTKD, v_c_BTK
     if any(a.shape[1] != t for a in (q_c_BTHD, q_n_BTHD, k_c_BTKD, k_n_BTKD, v_c_BTKD, v_n_BTKD)):
         raise ValueError(f"two-stream attention: every stream's q, k, v must be [B, T] for T={t}, got "
                          f"q {q_c_BTHD.shape} / {q_n_BTHD.shape}, k {k_c_BTKD.shape} / {k_n_BTKD.shape}")
-    _check_split(t, block_size, mesh, layout, backend)
+    _check_split(t, block_size, mesh, layout)
     if backend == "reference":
         seg = segment_ids_BT.astype(jnp.int32)
         clean = lambda q, k, v, s: shard_clean_attention(q, k, v, s, layout=layout)  # noqa: E731
         out_c = over_context(clean, (_TOK4, _TOK4, _TOK4, _TOK2), _TOK4, q_c_BTHD, k_c_BTKD, v_c_BTKD, seg, mesh=mesh)
         return out_c, _reference_noisy(q_n_BTHD, k_c_BTKD, v_c_BTKD, k_n_BTKD, v_n_BTKD, seg, block_size, mesh, layout)
     return sharded_stream_attention(q_c_BTHD, q_n_BTHD, k_c_BTKD, v_c_BTKD, segment_ids_BT, backend=backend,
-                                    block_size=block_size, noisy_kv=(k_n_BTKD, v_n_BTKD), mesh=mesh, **kernel_kw)
+                                    block_size=block_size, noisy_kv=(k_n_BTKD, v_n_BTKD), mesh=mesh, layout=layout,
+                                    **kernel_kw)
 
 
 def _reference_noisy(q_BTHD, kc_BTKD, vc_BTKD, kn_BTKD, vn_BTKD, seg_BT, block_size: int, mesh,
@@ -124,16 +122,16 @@ def context_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, stream: 
     noisy: q [B, T], k, v [B, 2T] = clean || noisy keys. Returns [B, T, H, D]. ``backend``: a
     resolved one ("reference", "splash", "flash"); ``kernel_kw`` (interpret, batch_axes, head_axes,
     config) go to the kernel path. ``layout``: the context layout of every [B, T] array
-    (``context_layout``; the reference only, for now, for anything but contiguous)."""
+    (``context_layout``)."""
     t = segment_ids_BT.shape[1]
-    _check_split(t, block_size, mesh, layout, backend)
+    _check_split(t, block_size, mesh, layout)
     if stream not in ("clean", "noisy"):
         raise ValueError(f"unknown attention stream {stream!r}; expected 'clean' or 'noisy'")
     if stream == "noisy" and k_BSKD.shape[1] != 2 * t:
         raise ValueError(f"noisy stream: keys must be [B, 2T] = clean || noisy, got {k_BSKD.shape} for T={t}")
     if backend != "reference":
         return context_kernel_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
-                                        backend=backend, mesh=mesh, **kernel_kw)
+                                        backend=backend, mesh=mesh, layout=layout, **kernel_kw)
     seg = segment_ids_BT.astype(jnp.int32)
     if stream == "clean":
         clean = lambda q, k, v, s: shard_clean_attention(q, k, v, s, layout=layout)  # noqa: E731

@@ -46,7 +46,8 @@ from .attention_flash import flash_core
 from .attention_flash_kernels import FlashConfig
 from .attention_layout import LANE_PAD_SEGMENT, pad_rows
 from .attention_splash import LANES, splash_core
-from .gdn_context import CONTEXT_AXIS, context_size
+from .context_layout import from_piece_rows, piece_table, pieces, to_piece_rows
+from .gdn_context import CONTEXT_AXIS, context_size, in_row_order
 
 #: id of the keys of later shards after the roll: matches no query (documents and pads use ids >= -1,
 #: the tile padding LANE_PAD_SEGMENT)
@@ -77,6 +78,30 @@ def rolled_clean_keys(k_BTKD, v_BTKD, seg_BT, axis: str = CONTEXT_AXIS):
     return roll(k_BTKD), roll(v_BTKD), jnp.where(future[None, :], FUTURE_SEGMENT, seg)
 
 
+def rolled_piece_keys(k_RTKD, v_RTKD, seg_RT, layout: str, axis: str = CONTEXT_AXIS):
+    """``rolled_clean_keys`` for a layout with P pieces per shard: the shard's padded piece rows
+    [B * P, Tp, K, D] -> for every piece row, the row's pieces in row order rolled so that piece comes
+    last, the pieces after it in the row given ``FUTURE_SEGMENT`` ([B * P, n P Tp, K, D] x2,
+    [B * P, n P Tp]). Each piece row gets its own copy of the gathered keys (P copies per shard)."""
+    p, tp = pieces(layout), seg_RT.shape[1]
+    m = lax.axis_size(axis) * p
+    mine = jnp.asarray(piece_table(layout, lax.axis_size(axis)), jnp.int32)[lax.axis_index(axis)]  # [P]
+
+    def per_row(x):  # [B * P, Tp, ...] -> the row in row order [B, m Tp, ...], twice over (for the roll)
+        rows = in_row_order(x, layout, axis)  # [m, B, Tp, ...]
+        row = jnp.moveaxis(rows, 0, 1).reshape((rows.shape[1], m * tp) + rows.shape[3:])
+        return jnp.concatenate([row, row], axis=1)
+
+    def roll(x):
+        both = per_row(x)
+        out = [lax.dynamic_slice_in_dim(both, ((mine[j] + 1) % m) * tp, m * tp, axis=1) for j in range(p)]
+        return jnp.stack(out, axis=1).reshape((-1, m * tp) + x.shape[2:])  # piece row b * P + j
+
+    future = jnp.arange(m * tp, dtype=jnp.int32)[None, :] < ((m - 1 - mine) * tp)[:, None]  # [P, m Tp]
+    future = jnp.tile(future, (seg_RT.shape[0] // p, 1))
+    return roll(k_RTKD), roll(v_RTKD), jnp.where(future, FUTURE_SEGMENT, roll(seg_RT))
+
+
 def _on_device(backend: str, stream: str, q, k, v, q_seg, kv_seg, block_size: int, prefix: int,
                interpret: bool | None, config: FlashConfig | None):
     """One stream's kernel on one device's padded blocks, its queries after ``prefix`` clean keys."""
@@ -89,18 +114,25 @@ def _on_device(backend: str, stream: str, q, k, v, q_seg, kv_seg, block_size: in
 
 
 def _shard_body(streams: tuple[str, ...], block_size: int, backend: str, tp: int, interpret: bool | None,
-                config: FlashConfig | None, axis: str):
+                config: FlashConfig | None, axis: str, layout: str = "contiguous"):
     """Per-device body of one or both streams over ONE exchange of the clean K/V: args = one q per
     stream of ``streams`` (clean first), kc, vc, (kn, vn if the noisy stream runs), seg: the shard's
     [B, Tl] blocks -> one [B, Tl, H, D] per stream. With both streams the gathered K/V feed both
-    kernels, so their dK / dV are summed on the chip before the one reduce-scatter back."""
+    kernels, so their dK / dV are summed on the chip before the one reduce-scatter back. A layout of
+    P pieces per shard runs the pieces as rows, each with its own rolled keys (``rolled_piece_keys``):
+    every piece's queries then also sit after a static prefix."""
+    npc = pieces(layout)
 
     def body(*args):
         qs, kv, seg = args[:len(streams)], args[len(streams):-1], args[-1]
+        qs, kv, seg = [to_piece_rows(q, npc) for q in qs], [to_piece_rows(x, npc) for x in kv], to_piece_rows(seg, npc)
         tl = seg.shape[1]
         qs, kv = [pad_rows(q, tp) for q in qs], [pad_rows(x, tp) for x in kv]
         q_seg = pad_rows(seg, tp, LANE_PAD_SEGMENT)
-        k, v, kv_seg = rolled_clean_keys(kv[0], kv[1], q_seg, axis)
+        if npc == 1:
+            k, v, kv_seg = rolled_clean_keys(kv[0], kv[1], q_seg, axis)
+        else:
+            k, v, kv_seg = rolled_piece_keys(kv[0], kv[1], q_seg, layout, axis)
         prefix = k.shape[1] - tp
         outs = []
         for stream, q in zip(streams, qs):
@@ -110,7 +142,7 @@ def _shard_body(streams: tuple[str, ...], block_size: int, backend: str, tp: int
                 cat = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
                 out = _on_device(backend, "noisy", q, cat(k, kv[2]), cat(v, kv[3]), q_seg, cat(kv_seg, q_seg),
                                  block_size, prefix, interpret, config)
-            outs.append(out[:, :tl])
+            outs.append(from_piece_rows(out[:, :tl], npc))
         return tuple(outs)
 
     return body
@@ -133,7 +165,8 @@ def sharded_stream_attention(q_clean_BTHD, q_noisy_BTHD, kc_BTKD, vc_BTKD, segme
                              block_size: int = 1, noisy_kv: tuple[jax.Array, jax.Array] | None = None,
                              interpret: bool | None = None, mesh=None, batch_axes: Sequence[str] | None = None,
                              head_axes: Sequence[str] | None = None, config: FlashConfig | None = None,
-                             axis: str = CONTEXT_AXIS) -> tuple[jax.Array | None, jax.Array | None]:
+                             axis: str = CONTEXT_AXIS, layout: str = "contiguous"
+                             ) -> tuple[jax.Array | None, jax.Array | None]:
     """The kernel path of the clean stream (``q_clean`` [B, T, H, D], else None), the noisy stream
     (``q_noisy`` and ``noisy_kv`` = (kn, vn) [B, T, K, D], else None) or both over one exchange, the
     clean K/V ``kc``, ``vc`` [B, T, K, D]. Every array is sharded over ``axis`` like the queries, so
@@ -149,11 +182,11 @@ def sharded_stream_attention(q_clean_BTHD, q_noisy_BTHD, kc_BTKD, vc_BTKD, segme
         raise ValueError("context attention: neither q_clean nor q_noisy given")
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     b, t = segment_ids_BT.shape
-    tl = t // context_size(mesh, axis)
+    tl = t // (context_size(mesh, axis) * pieces(layout))  # one piece's tokens
     block = block_size if "noisy" in streams else 1
     qs = tuple(q for q in (q_clean_BTHD, q_noisy_BTHD) if q is not None)
     mult = shard_tile(backend, block, qs[0].dtype, config)
-    body = _shard_body(streams, block, backend, -(-tl // mult) * mult, interpret, config, axis)
+    body = _shard_body(streams, block, backend, -(-tl // mult) * mult, interpret, config, axis, layout)
     b_axes, h_axes = gdn_sharding.gdn_mesh_axes(mesh, b, kc_BTKD.shape[2], batch_axes, head_axes)
     tok4, tok2 = P(b_axes, axis, h_axes, None), P(b_axes, axis)
     kv = (kc_BTKD, vc_BTKD) + (tuple(noisy_kv) if noisy_kv is not None else ())

@@ -148,8 +148,30 @@ def test_zigzag_context_attention_equals_one_device(stream, block, context):
         assert_rel_close(a, b, FP32_REL, f"zigzag {stream} b{block} c{context} d{name}")
 
 
-def test_zigzag_refuses_the_kernels_per_shard():
-    q, k, v, _ = _inputs("clean")
-    with jax.set_mesh(jax.make_mesh((4, 2), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)):
-        with pytest.raises(NotImplementedError, match="zigzag layout runs the reference attention only"):
-            context_stream_attention(q, k, v, jnp.asarray(SEG), stream="clean", backend="splash", layout="zigzag")
+@pytest.mark.parametrize("backend,stream,block,context", [("splash", "clean", 1, 4), ("flash", "noisy", 4, 4),
+                                                          ("splash", "noisy", 4, 2)])
+def test_zigzag_kernels_equal_one_device_reference(backend, stream, block, context):
+    """The kernels per shard (interpreted) under the zigzag layout: each of a shard's two pieces is a
+    row with its own rolled keys (the row's pieces in row order, that piece last, later ones masked
+    by id); values and dq, dk, dv equal the one-device reference."""
+    from pallas_kernels.context_layout import from_layout, to_layout
+
+    q, k, v, w = _inputs(stream)
+    seg = jnp.asarray(SEG)
+    want, want_g = _vg(lambda q, k, v: stream_attention(q, k, v, seg, stream=stream, block_size=block,
+                                                        backend="reference"), q, k, v, w)
+    lay = lambda x: to_layout(x, context, "zigzag")  # noqa: E731
+    keys = lambda x: lay(x) if stream == "clean" else jnp.concatenate([lay(x[:, :T]), lay(x[:, T:])], axis=1)  # noqa: E731
+
+    def zz(q, k, v):
+        out = stream_attention(lay(q), keys(k), keys(v), lay(seg), stream=stream, block_size=block, backend=backend,
+                               context_layout="zigzag")
+        return from_layout(out, context, "zigzag")
+
+    mesh = jax.make_mesh((8 // context, context), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        got, got_g = _vg(zz, q, k, v, w)
+    what = f"zigzag {backend} {stream} b{block} c{context}"
+    assert_rel_close(got, want, FP32_REL, f"{what} output")
+    for name, a, b in zip("qkv", got_g, want_g):
+        assert_rel_close(a, b, FP32_REL, f"{what} d{name}")

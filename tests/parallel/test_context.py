@@ -148,10 +148,10 @@ def reference(params):
     (dict(fsdp=1, context=8), 64, 4, "contiguous"),  # shards of 8 tokens: 2 blocks, 2 GDN chunks, the halo from the neighbour
     (dict(fsdp=2, context=4), 64, 4, "contiguous"),
     (dict(fsdp=2, expert=2, context=2), 64, 32, "contiguous"),  # one 32-token block per shard
-    # zigzag: shard i holds row pieces i and 2n-1-i (pieces of 8 / 4 tokens); the halo, the GDN entry
-    # states and the attention masks follow the row order across the pieces
+    # zigzag: shard i holds row pieces i and 2n-1-i (pieces of 8 tokens); the halo, the GDN entry
+    # states and the attention masks follow the row order across the pieces (context 8, pieces of 4
+    # tokens, passed too; not kept: CI time)
     (dict(fsdp=2, context=4), 64, 4, "zigzag"),
-    (dict(fsdp=1, context=8), 64, 4, "zigzag"),
 ], ids=lambda v: str(v))
 def test_model_training_with_context_equals_single_device(params, reference, mesh_shape, length, block, layout):
     """STEPS training steps. Every step: the same loss; the first: AR logits, block logits and every
@@ -175,10 +175,11 @@ def test_model_training_with_context_equals_single_device(params, reference, mes
         np.testing.assert_allclose(g[0], r[0], rtol=0, atol=FP32_REL * scale, err_msg=jax.tree_util.keystr(path))
 
 
-def test_sft_step_with_context_compiles_for_tpu():
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_sft_step_with_context_compiles_for_tpu(layout):
     """TPU AOT (libtpu on this CPU host) of the recipe's SFT step on v5p-8 with (fsdp 2, context 2),
-    at the smallest widths that keep both mixers (the `tiny` preset, 2 layers, 2 rows x 64 tokens:
-    one 32-block and two GDN chunks per shard): it compiles and fits, and the program holds the
+    at the smallest widths that keep both mixers (the `tiny` preset, 2 layers, 2 rows x 64 tokens,
+    block 16: two blocks per shard, one per zigzag piece), in both context layouts: it compiles and fits, and the program holds the
     context exchanges (the conv halo and entry-segment `ppermute`s, the K/V and shard-map
     all-gathers), and the attention runs the splash kernels per shard (the recipe's TPU backend under
     a context mesh). It only has to prove the context step compiles for a TPU topology."""
@@ -186,7 +187,7 @@ def test_sft_step_with_context_compiles_for_tpu():
 
     recipe = ["model.preset=tiny", "model.num_hidden_layers=2", "model.layer_types=[linear_attention,full_attention]",
               "data.seq_len=64", "data.batch_size=2", "train.micro_batches=1", "mesh.fsdp=2", "mesh.expert=1",
-              "mesh.context=2", "loss.chunk_tokens=128"]
+              "mesh.context=2", "loss.chunk_tokens=128", f"model.context_layout={layout}", "model.block_size=16"]
     (p,) = launch._sft_compile_plans("configs/agent_mix.yaml", recipe, ["v5p-8"])
     assert p.compiled and p.fits and p.mesh_shape["context"] == 2
     hlo = p.executable.as_text()
