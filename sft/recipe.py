@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from clover_jax.parallel import sharding as sh
 from clover_jax.parallel.context import check_context_split
+from pallas_kernels.context_layout import pieces as context_pieces
 from clover_jax.config import ModelConfig
 from clover_jax.model.clover_model import abstract_model, check_block_aligned, create_model, model_from_params, model_to_params
 from clover_jax.yaml_config import ConfigError, to_tree
@@ -345,7 +346,8 @@ def prepare(cfg: SFTConfig) -> SFTSetup:
     try:
         mesh = sh.make_mesh(cfg.mesh, devices)
         check_context_split(cfg.data.seq_len, dict(mesh.shape)["context"], mcfg.block_sizes, mcfg.gdn_chunk_size,
-                            mcfg.linear_conv_kernel_dim, layout=mcfg.context_layout)
+                            mcfg.linear_conv_kernel_dim, layout=mcfg.context_layout,
+                            pieces=context_pieces(mcfg.context_layout))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model = abstract_model(mcfg)

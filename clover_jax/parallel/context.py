@@ -19,19 +19,19 @@ CONTEXT_AXIS = "context"
 
 
 def check_context_split(seq_len: int, context: int, block_sizes: Sequence[int] = (), gdn_chunk_size: int = 1,
-                        conv_kernel: int = 1, *, where: str = "config", layout: str = "contiguous") -> int:
-    """Validates that rows of `seq_len` tokens split into `context` shards whose pieces (one per
-    shard; two for the zigzag `layout`) are a multiple of every block size and of the GDN chunk and
-    hold the conv halo; returns the piece length. Errors name the keys (`mesh.context`,
-    `data.seq_len`, `model.block_size`, `model.gdn_chunk_size`, `model.context_layout`)."""
-    from pallas_kernels.context_layout import pieces
-
+                        conv_kernel: int = 1, *, where: str = "config", layout: str = "contiguous",
+                        pieces: int = 1) -> int:
+    """Validates that rows of `seq_len` tokens split into `context` shards whose `pieces` pieces each
+    (1; 2 for the zigzag `layout`: `pallas_kernels.context_layout.pieces`) are a multiple of every
+    block size and of the GDN chunk and hold the conv halo; returns the piece length. Errors name the
+    keys (`mesh.context`, `data.seq_len`, `model.block_size`, `model.gdn_chunk_size`,
+    `model.context_layout`)."""
     if context < 1:
         raise ValueError(f"{where}: mesh.context must be >= 1, got {context}")
-    m = context * (pieces(layout) if context > 1 else 1)
+    m = context * (pieces if context > 1 else 1)
     if seq_len % m:
         split = f"mesh.context={context} equal shards" if m == context else (
-            f"{m} equal pieces (mesh.context={context}, model.context_layout={layout}: 2 pieces per shard)")
+            f"{m} equal pieces (mesh.context={context}, model.context_layout={layout}: {pieces} pieces per shard)")
         raise ValueError(f"{where}: data.seq_len={seq_len} does not split into {split}")
     shard = seq_len // m
     if context == 1:

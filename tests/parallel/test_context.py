@@ -52,11 +52,11 @@ def test_context_split_validation_names_the_keys():
     with pytest.raises(ValueError, match=r"mesh.context must be >= 1"):
         check_context_split(8, 0)
     # zigzag: two pieces per shard, each a whole number of blocks and chunks
-    assert check_context_split(32768, 8, (4, 32), 64, 4, layout="zigzag") == 2048
+    assert check_context_split(32768, 8, (4, 32), 64, 4, layout="zigzag", pieces=2) == 2048
     with pytest.raises(ValueError, match=r"into 16 equal pieces \(mesh.context=8, model.context_layout=zigzag"):
-        check_context_split(808, 8, layout="zigzag")  # 808 = 8 x 101: contiguous shards would do
+        check_context_split(808, 8, layout="zigzag", pieces=2)  # 808 = 8 x 101: contiguous shards would do
     with pytest.raises(ValueError, match=r"context piece holds data.seq_len / 8 = 256 / 8 = 32 tokens .*block_size=64"):
-        check_context_split(256, 4, (64,), layout="zigzag")
+        check_context_split(256, 4, (64,), layout="zigzag", pieces=2)
 
 
 # ---------------------------------------------------------------------------------------------
