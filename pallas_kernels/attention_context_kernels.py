@@ -46,8 +46,8 @@ from .attention_flash import flash_core
 from .attention_flash_kernels import FlashConfig
 from .attention_layout import LANE_PAD_SEGMENT, pad_rows
 from .attention_splash import LANES, splash_core
-from .context_layout import from_piece_rows, piece_table, pieces, to_piece_rows
-from .gdn_context import CONTEXT_AXIS, context_size, in_row_order
+from .context_layout import from_piece_rows, pieces, to_piece_rows
+from .gdn_context import CONTEXT_AXIS, context_size, in_row_order, my_pieces
 
 #: id of the keys of later shards after the roll: matches no query (documents and pads use ids >= -1,
 #: the tile padding LANE_PAD_SEGMENT)
@@ -85,7 +85,7 @@ def rolled_piece_keys(k_RTKD, v_RTKD, seg_RT, layout: str, axis: str = CONTEXT_A
     [B * P, n P Tp]). Each piece row gets its own copy of the gathered keys (P copies per shard)."""
     p, tp = pieces(layout), seg_RT.shape[1]
     m = lax.axis_size(axis) * p
-    mine = jnp.asarray(piece_table(layout, lax.axis_size(axis)), jnp.int32)[lax.axis_index(axis)]  # [P]
+    mine = my_pieces(layout, axis)  # [P] row-order indices of this shard's pieces
 
     def per_row(x):  # [B * P, Tp, ...] -> the row in row order [B, m Tp, ...], twice over (for the roll)
         rows = in_row_order(x, layout, axis)  # [m, B, Tp, ...]
@@ -129,7 +129,7 @@ def _shard_body(streams: tuple[str, ...], block_size: int, backend: str, tp: int
         tl = seg.shape[1]
         qs, kv = [pad_rows(q, tp) for q in qs], [pad_rows(x, tp) for x in kv]
         q_seg = pad_rows(seg, tp, LANE_PAD_SEGMENT)
-        if npc == 1:
+        if npc == 1:  # the contiguous path as measured (tiled all-gather, bench/context.py)
             k, v, kv_seg = rolled_clean_keys(kv[0], kv[1], q_seg, axis)
         else:
             k, v, kv_seg = rolled_piece_keys(kv[0], kv[1], q_seg, layout, axis)

@@ -123,7 +123,7 @@ def in_row_order(x_RX: jax.Array, layout: str, axis: str = CONTEXT_AXIS) -> jax.
     return jnp.take(every, jnp.asarray(row_order(layout, n)), axis=0)
 
 
-def _my_pieces(layout: str, axis: str) -> jax.Array:
+def my_pieces(layout: str, axis: str) -> jax.Array:
     """[P] int32: the row-order indices of this shard's pieces."""
     return jnp.asarray(piece_table(layout, lax.axis_size(axis)), jnp.int32)[lax.axis_index(axis)]
 
@@ -143,15 +143,14 @@ def from_previous_piece(x_RT: jax.Array, n: int, layout: str, axis: str = CONTEX
     if x_RT.shape[1] < n:
         raise ValueError(f"context piece of {x_RT.shape[1]} tokens is shorter than the {n}-token halo")
     rows = in_row_order(x_RT[:, x_RT.shape[1] - n:], layout, axis)
-    mine = _my_pieces(layout, axis)
-    prev = _pick(rows, jnp.maximum(mine - 1, 0))
-    first = jnp.tile(mine == 0, x_RT.shape[0] // mine.shape[0])
+    prev = _pick(rows, jnp.maximum(my_pieces(layout, axis) - 1, 0))
+    first = first_piece(x_RT.shape[0], layout, axis)
     return jnp.where(first.reshape((-1,) + (1,) * (prev.ndim - 1)), jnp.zeros_like(prev), prev)
 
 
 def first_piece(rows: int, layout: str, axis: str = CONTEXT_AXIS) -> jax.Array:
     """[rows] bool over the piece rows [B * P]: the piece is its row's first."""
-    mine = _my_pieces(layout, axis)
+    mine = my_pieces(layout, axis)
     return jnp.tile(mine == 0, rows // mine.shape[0])
 
 
@@ -204,7 +203,7 @@ def entry_states(A_RHKK: jax.Array, B_RHKV: jax.Array, continues_R: jax.Array, s
         return jnp.einsum("bhkj,bhjv->bhkv", a_BHKK, S_BHKV, precision=_HI) + b_BHKV, S_BHKV
 
     final_BHKV, entries_NBHKV = lax.scan(step, state0_BHKV.astype(jnp.float32), maps)
-    mine = _pick(entries_NBHKV, _my_pieces(layout, axis))
+    mine = _pick(entries_NBHKV, my_pieces(layout, axis))
     return mine * continues_R[:, None, None, None].astype(mine.dtype), final_BHKV
 
 
@@ -332,6 +331,6 @@ def context_block_gated_delta_rule(q, k, v, g, beta, q_noisy, k_noisy, v_noisy, 
 __all__ = [
     "CONTEXT_AXIS", "RowSpecs", "augment", "augmented_sweep", "context_block_gated_delta_rule",
     "context_chunk_gated_delta_rule", "context_size", "entry_states", "first_piece", "from_previous_piece",
-    "from_previous_shard", "in_row_order", "over_context", "over_rows", "row_specs", "shard_block_gdn",
+    "from_previous_shard", "in_row_order", "my_pieces", "over_context", "over_rows", "row_specs", "shard_block_gdn",
     "shard_chunk_gdn", "shard_continues",
 ]

@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["blocked_ffn", "block_rows"]
+__all__ = ["blocked_ffn", "block_rows", "swiglu_rows", "swiglu_rows_grads"]
 
 
 def block_rows(n: int, e: int) -> int:
@@ -66,6 +66,27 @@ def _dot(a: jax.Array, b: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
 
 
+def swiglu_rows(x_RD: jax.Array, wgu_DJ: jax.Array, wo_ID: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """One expert's SwiGLU on a block of rows: (y [R, D] fp32, the gate|up pre-activations hu
+    [R, 2I] fp32); operands in `dtype`, fp32 accumulation."""
+    i = wo_ID.shape[0]
+    hu = _dot(x_RD, wgu_DJ, dtype)
+    return _dot((jax.nn.silu(hu[:, :i]) * hu[:, i:]).astype(dtype), wo_ID, dtype), hu
+
+
+def swiglu_rows_grads(x_RD: jax.Array, hu_RJ: jax.Array, dy_RD: jax.Array, wgu_DJ: jax.Array, wo_ID: jax.Array,
+                      dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The backward of `swiglu_rows` from its saved (or recomputed) `hu`: (dx [R, D], dwgu [D, 2I],
+    dwo [I, D]), fp32."""
+    i = wo_ID.shape[0]
+    h, u = hu_RJ[:, :i], hu_RJ[:, i:]
+    sig = jax.nn.sigmoid(h)
+    silu = h * sig
+    da = _dot(dy_RD, wo_ID.T, dtype)
+    dhu = jnp.concatenate([da * u * sig * (1.0 + h * (1.0 - sig)), da * silu], axis=1)
+    return _dot(dhu, wgu_DJ.T, dtype), _dot(x_RD.T, dhu, dtype), _dot((silu * u).T, dy_RD, dtype)
+
+
 def _forward(xb_RD, block_e_N, used, wgu_GDJ, wo_GID, blk: int, keep: bool):
     """Output [R, D] fp32 of the used blocks (zeros elsewhere) and, with `keep`, the gate|up
     pre-activations [R, 2I] fp32."""
@@ -76,10 +97,8 @@ def _forward(xb_RD, block_e_N, used, wgu_GDJ, wo_GID, blk: int, keep: bool):
     def body(n, carry):
         y, hu_all = carry
         e = block_e_N[n]
-        x = jax.lax.dynamic_slice_in_dim(xb_RD, n * blk, blk)
-        hu = _dot(x, wgu_GDJ[e], dt)
-        a = (jax.nn.silu(hu[:, :i]) * hu[:, i:]).astype(dt)
-        y = jax.lax.dynamic_update_slice_in_dim(y, _dot(a, wo_GID[e], dt), n * blk, 0)
+        out, hu = swiglu_rows(jax.lax.dynamic_slice_in_dim(xb_RD, n * blk, blk), wgu_GDJ[e], wo_GID[e], dt)
+        y = jax.lax.dynamic_update_slice_in_dim(y, out, n * blk, 0)
         if keep:
             hu_all = jax.lax.dynamic_update_slice_in_dim(hu_all, hu, n * blk, 0)
         return y, hu_all
@@ -100,23 +119,15 @@ def _block_loop_fwd(xb_RD, block_e_N, used, wgu_GDJ, wo_GID, blk):
 
 def _block_loop_bwd(blk, res, dy_RD):
     xb_RD, block_e_N, used, wgu_GDJ, wo_GID, hu_RJ = res
-    i = wo_GID.shape[1]
     dt = xb_RD.dtype
 
     def body(n, carry):
         dx, dwgu, dwo = carry
         e = block_e_N[n]
         rows = lambda a: jax.lax.dynamic_slice_in_dim(a, n * blk, blk)  # noqa: E731
-        x, hu, dy = rows(xb_RD), rows(hu_RJ), rows(dy_RD)
-        h, u = hu[:, :i], hu[:, i:]
-        sig = jax.nn.sigmoid(h)
-        silu = h * sig
-        da = _dot(dy, wo_GID[e].T, dt)
-        dwo = dwo.at[e].add(_dot((silu * u).T, dy, dt))
-        dhu = jnp.concatenate([da * u * sig * (1.0 + h * (1.0 - sig)), da * silu], axis=1)
-        dx = jax.lax.dynamic_update_slice_in_dim(dx, _dot(dhu, wgu_GDJ[e].T, dt), n * blk, 0)
-        dwgu = dwgu.at[e].add(_dot(x.T, dhu, dt))
-        return dx, dwgu, dwo
+        gx, gwgu, gwo = swiglu_rows_grads(rows(xb_RD), rows(hu_RJ), rows(dy_RD), wgu_GDJ[e], wo_GID[e], dt)
+        dx = jax.lax.dynamic_update_slice_in_dim(dx, gx, n * blk, 0)
+        return dx, dwgu.at[e].add(gwgu), dwo.at[e].add(gwo)
 
     zeros = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
     dx, dwgu, dwo = jax.lax.fori_loop(0, used, body, (zeros(xb_RD), zeros(wgu_GDJ), zeros(wo_GID)))

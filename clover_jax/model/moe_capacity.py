@@ -27,6 +27,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from clover_jax.model.moe_blocked import swiglu_rows, swiglu_rows_grads
+
 __all__ = ["CAPACITY_FACTOR", "capacity_rows", "Plan", "plan", "gather_rows", "sorted_ffn", "capacity_ffn",
            "experts_capacity"]
 
@@ -109,10 +111,6 @@ def _gather_rows_bwd(inv_AK, ct_BD):
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-def _dot(a: jax.Array, b: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
-
-
 def _block(p: Plan, src_N: jax.Array, n_rows: int, nsrc: int, b):
     """Block b: its first row (moved back so the window fits in [0, N)), its expert, the window's
     source rows (`nsrc`, out of range, where a row is not the block's) and that validity [blk]."""
@@ -126,12 +124,11 @@ def _block(p: Plan, src_N: jax.Array, n_rows: int, nsrc: int, b):
 def _overflow(x_AD, src_N, y_ND, wgu_GDJ, wo_GID, p_arrays, p_static):
     """`y` with each overflow row r replaced by its expert's SwiGLU of `x[src[r]]`. [N, D] fp32."""
     p = Plan(*p_arrays, *p_static)
-    n, dt, i = y_ND.shape[0], x_AD.dtype, wo_GID.shape[1]
+    n, dt = y_ND.shape[0], x_AD.dtype
 
     def body(b, y):
         row0, e, src, ok = _block(p, src_N, n, x_AD.shape[0], b)
-        hu = _dot(jnp.take(x_AD, src, axis=0, mode="fill", fill_value=0), wgu_GDJ[e], dt)
-        out = _dot((jax.nn.silu(hu[:, :i]) * hu[:, i:]).astype(dt), wo_GID[e], dt)
+        out, _ = swiglu_rows(jnp.take(x_AD, src, axis=0, mode="fill", fill_value=0), wgu_GDJ[e], wo_GID[e], dt)
         old = jax.lax.dynamic_slice_in_dim(y, row0, p.blk)
         return jax.lax.dynamic_update_slice_in_dim(y, jnp.where(ok[:, None], out, old), row0, 0)
 
@@ -145,23 +142,16 @@ def _overflow_fwd(x_AD, src_N, y_ND, wgu_GDJ, wo_GID, p_arrays, p_static):
 def _overflow_bwd(p_static, res, ct_ND):
     x_AD, src_N, wgu_GDJ, wo_GID, p_arrays = res
     p = Plan(*p_arrays, *p_static)
-    n, dt, i = ct_ND.shape[0], x_AD.dtype, wo_GID.shape[1]
+    n, dt = ct_ND.shape[0], x_AD.dtype
 
     def body(b, carry):  # the forward's block, recomputed; then its SwiGLU backward
         dx, dwgu, dwo = carry
         row0, e, src, ok = _block(p, src_N, n, x_AD.shape[0], b)
         x = jnp.take(x_AD, src, axis=0, mode="fill", fill_value=0)
-        hu = _dot(x, wgu_GDJ[e], dt)
-        h, u = hu[:, :i], hu[:, i:]
-        sig = jax.nn.sigmoid(h)
-        silu = h * sig
+        _, hu = swiglu_rows(x, wgu_GDJ[e], wo_GID[e], dt)
         dy = jnp.where(ok[:, None], jax.lax.dynamic_slice_in_dim(ct_ND, row0, p.blk), 0.0)
-        da = _dot(dy, wo_GID[e].T, dt)
-        dwo = dwo.at[e].add(_dot((silu * u).T, dy, dt))
-        dhu = jnp.concatenate([da * u * sig * (1.0 + h * (1.0 - sig)), da * silu], axis=1)
-        dx = dx.at[src].add(_dot(dhu, wgu_GDJ[e].T, dt), mode="drop")
-        dwgu = dwgu.at[e].add(_dot(x.T, dhu, dt))
-        return dx, dwgu, dwo
+        gx, gwgu, gwo = swiglu_rows_grads(x, hu, dy, wgu_GDJ[e], wo_GID[e], dt)
+        return dx.at[src].add(gx, mode="drop"), dwgu.at[e].add(gwgu), dwo.at[e].add(gwo)
 
     zeros = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
     dx, dwgu, dwo = jax.lax.fori_loop(0, p.used, body, (zeros(x_AD), zeros(wgu_GDJ), zeros(wo_GID)))
