@@ -25,14 +25,21 @@ are multiples of the block, so blocks on the padded grid are the row's blocks.
 Cost: splash skips tiles by the static mask only, so every shard runs its [Tp, P] prefix tiles
 (future ones masked by id): n Tp x (n - 1) Tp + one causal Tp x Tp per shard, about twice the causal
 work of the row (the reference per shard computes the same dense [Tl, T]); flash skips by the
-document extents too, so it does not visit future keys nor keys before the query's document. A
-load-balanced layout (zig-zag) is the next step. Gradients flow back through the roll and the
-all-gather (a reduce-scatter of dK, dV).
+document extents too, so it does not visit future keys nor keys before the query's document.
+Gradients flow back through the roll and the all-gather (a reduce-scatter of dK, dV).
+
+Under the zig-zag layout (``model.context_layout``: shard i holds row pieces i and 2n - 1 - i) splash
+takes another road: the shard's two pieces are one query row over the row's keys in ROW order
+(no roll), and the kernel's block tables are this shard's, picked at run time from tables built for
+every shard (:mod:`pallas_kernels.attention_splash_rows`): every shard runs the same ~causal share of
+tiles, about half of the contiguous layout's. Flash runs the two pieces as rows with their own
+rolled keys (``rolled_piece_keys``; it skips by document extent anyway).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -46,6 +53,7 @@ from .attention_flash import flash_core
 from .attention_flash_kernels import FlashConfig
 from .attention_layout import LANE_PAD_SEGMENT, pad_rows
 from .attention_splash import LANES, splash_core
+from .attention_splash_rows import shard_kernel
 from .context_layout import from_piece_rows, pieces, to_piece_rows
 from .gdn_context import CONTEXT_AXIS, context_size, in_row_order, my_pieces
 
@@ -78,6 +86,13 @@ def rolled_clean_keys(k_BTKD, v_BTKD, seg_BT, axis: str = CONTEXT_AXIS):
     return roll(k_BTKD), roll(v_BTKD), jnp.where(future[None, :], FUTURE_SEGMENT, seg)
 
 
+def keys_in_row_order(x_RTX: jax.Array, layout: str, axis: str = CONTEXT_AXIS) -> jax.Array:
+    """Inside a shard_map manual over ``axis``: the shard's padded piece rows [B * P, Tp, ...] ->
+    every shard's, all-gathered, as the row in row order [B, m Tp, ...] (m = n P pieces)."""
+    rows = in_row_order(x_RTX, layout, axis)  # [m, B, Tp, ...]
+    return jnp.moveaxis(rows, 0, 1).reshape((rows.shape[1], rows.shape[0] * rows.shape[2]) + rows.shape[3:])
+
+
 def rolled_piece_keys(k_RTKD, v_RTKD, seg_RT, layout: str, axis: str = CONTEXT_AXIS):
     """``rolled_clean_keys`` for a layout with P pieces per shard: the shard's padded piece rows
     [B * P, Tp, K, D] -> for every piece row, the row's pieces in row order rolled so that piece comes
@@ -87,13 +102,9 @@ def rolled_piece_keys(k_RTKD, v_RTKD, seg_RT, layout: str, axis: str = CONTEXT_A
     m = lax.axis_size(axis) * p
     mine = my_pieces(layout, axis)  # [P] row-order indices of this shard's pieces
 
-    def per_row(x):  # [B * P, Tp, ...] -> the row in row order [B, m Tp, ...], twice over (for the roll)
-        rows = in_row_order(x, layout, axis)  # [m, B, Tp, ...]
-        row = jnp.moveaxis(rows, 0, 1).reshape((rows.shape[1], m * tp) + rows.shape[3:])
-        return jnp.concatenate([row, row], axis=1)
-
     def roll(x):
-        both = per_row(x)
+        row = keys_in_row_order(x, layout, axis)
+        both = jnp.concatenate([row, row], axis=1)
         out = [lax.dynamic_slice_in_dim(both, ((mine[j] + 1) % m) * tp, m * tp, axis=1) for j in range(p)]
         return jnp.stack(out, axis=1).reshape((-1, m * tp) + x.shape[2:])  # piece row b * P + j
 
@@ -113,14 +124,41 @@ def _on_device(backend: str, stream: str, q, k, v, q_seg, kv_seg, block_size: in
     return flash_core(q, k, v, q_seg, kv_seg, cfg=cfg, interpret=interpret)
 
 
+def _splash_in_row_order(streams: tuple[str, ...], qs, kv, q_seg, tl: int, block_size: int, layout: str,
+                         interpret: bool | None, axis: str) -> tuple[jax.Array, ...]:
+    """Splash under a layout of P > 1 pieces per shard: the shard's padded piece rows (q [B * P, Tp,
+    H, D] per stream, kv, q_seg [B * P, Tp]) run as ONE query row [B, P Tp] at their row slots over
+    the row's clean keys in row order, with this shard's block tables
+    (:mod:`pallas_kernels.attention_splash_rows`), so it runs only the tiles its queries see.
+    Returns [B, P tl, H, D] per stream (pads dropped)."""
+    npc, tp = pieces(layout), q_seg.shape[1]
+    n, shard = lax.axis_size(axis), lax.axis_index(axis)
+    k, v, kv_seg = (keys_in_row_order(x, layout, axis) for x in (kv[0], kv[1], q_seg))
+    join = lambda x: from_piece_rows(x, npc)  # noqa: E731  [B * P, Tp, ...] -> [B, P Tp, ...]
+    cat = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
+    own_seg, outs = join(q_seg), []
+    for stream, q in zip(streams, qs):
+        block = block_size if stream == "noisy" else 1
+        make = functools.partial(shard_kernel, stream, layout, n, tp, block)
+        if stream == "clean":
+            out = splash_core(join(q), k, v, own_seg, kv_seg, shard, stream="clean", block_size=1,
+                              interpret=interpret, make_kernel=make)
+        else:  # [the row's clean keys || the shard's own noisy keys, in its query order]
+            out = splash_core(join(q), cat(k, join(kv[2])), cat(v, join(kv[3])), own_seg, cat(kv_seg, own_seg),
+                              shard, stream="noisy", block_size=block, interpret=interpret, make_kernel=make)
+        outs.append(join(to_piece_rows(out, npc)[:, :tl]))
+    return tuple(outs)
+
+
 def _shard_body(streams: tuple[str, ...], block_size: int, backend: str, tp: int, interpret: bool | None,
                 config: FlashConfig | None, axis: str, layout: str = "contiguous"):
     """Per-device body of one or both streams over ONE exchange of the clean K/V: args = one q per
     stream of ``streams`` (clean first), kc, vc, (kn, vn if the noisy stream runs), seg: the shard's
     [B, Tl] blocks -> one [B, Tl, H, D] per stream. With both streams the gathered K/V feed both
     kernels, so their dK / dV are summed on the chip before the one reduce-scatter back. A layout of
-    P pieces per shard runs the pieces as rows, each with its own rolled keys (``rolled_piece_keys``):
-    every piece's queries then also sit after a static prefix."""
+    P pieces per shard runs splash on the keys in row order with per-shard tables
+    (``_splash_in_row_order``) and flash on the pieces as rows, each with its own rolled keys
+    (``rolled_piece_keys``): every piece's queries then also sit after a static prefix."""
     npc = pieces(layout)
 
     def body(*args):
@@ -129,6 +167,8 @@ def _shard_body(streams: tuple[str, ...], block_size: int, backend: str, tp: int
         tl = seg.shape[1]
         qs, kv = [pad_rows(q, tp) for q in qs], [pad_rows(x, tp) for x in kv]
         q_seg = pad_rows(seg, tp, LANE_PAD_SEGMENT)
+        if backend == "splash" and npc > 1:
+            return _splash_in_row_order(streams, qs, kv, q_seg, tl, block_size, layout, interpret, axis)
         if npc == 1:  # the contiguous path as measured (tiled all-gather, bench/context.py)
             k, v, kv_seg = rolled_clean_keys(kv[0], kv[1], q_seg, axis)
         else:

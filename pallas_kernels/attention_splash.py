@@ -111,44 +111,52 @@ def _kernel(stream: Stream, heads: int, tp: int, block_size: int, interpret: boo
                               head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def _at_default_precision(f, q, k, v, q_seg, kv_seg):
-    """``f(q, k, v, q_seg, kv_seg)`` with its forward and its backward kernels traced at DEFAULT
-    matmul precision: splash's dots take the global precision, and Mosaic rejects an fp32
+def _at_default_precision(f, q, k, v, q_seg, kv_seg, *tables):
+    """``f(q, k, v, q_seg, kv_seg, *tables)`` with its forward and its backward kernels traced at
+    DEFAULT matmul precision: splash's dots take the global precision, and Mosaic rejects an fp32
     contraction of bf16 operands (a global ``jax_default_matmul_precision="highest"``, as the tests
-    set, would ask for one). The backward is traced when the cotangent arrives, so it is wrapped too."""
+    set, would ask for one). The backward is traced when the cotangent arrives, so it is wrapped too.
+    ``tables``: integer operands of the kernel (no cotangent)."""
     default = lambda: jax.default_matmul_precision("default")  # noqa: E731
 
     @jax.custom_vjp
-    def call(q, k, v, q_seg, kv_seg):
+    def call(q, k, v, q_seg, kv_seg, *tables):
         with default():
-            return f(q, k, v, q_seg, kv_seg)
+            return f(q, k, v, q_seg, kv_seg, *tables)
 
-    def fwd(q, k, v, q_seg, kv_seg):
+    def fwd(q, k, v, q_seg, kv_seg, *tables):
         with default():
-            out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, q_seg, kv_seg), q, k, v)
+            out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, q_seg, kv_seg, *tables), q, k, v)
         return out, vjp
 
     def bwd(vjp, g):
         with default():
-            return (*vjp(g), None, None)
+            return (*vjp(g), None, None) + (None,) * len(tables)
 
     call.defvjp(fwd, bwd)
-    return call(q, k, v, q_seg, kv_seg)
+    return call(q, k, v, q_seg, kv_seg, *tables)
 
 
-def per_device(stream: Stream, block_size: int, mode: bool | None, prefix: int = 0):
+def per_device(stream: Stream, block_size: int, mode: bool | None, prefix: int = 0, make_kernel=None):
     """The kernel on one device's blocks: [B, H, Tp, D] (pre-scaled q), [B, K, S, D] x2, q segments
-    [B, Tp], kv segments [B, S] -> [B, H, Tp, D]; S = ``prefix`` + Tp (clean) or + 2 Tp (noisy)."""
+    [B, Tp], kv segments [B, S] (, *tables) -> [B, H, Tp, D]; S = ``prefix`` + Tp (clean) or + 2 Tp
+    (noisy). ``make_kernel(heads, interpret, *tables)``, if given, supplies the kernel instead (its
+    own mask tables, e.g. :func:`pallas_kernels.attention_splash_rows.shard_kernel`; S is then
+    whatever it expects); traced ``tables`` (a shard index) are passed as operands, not closed over:
+    the TPU branch of ``platform_dependent`` cannot lower a captured tracer."""
 
-    def run(q, k, v, q_seg, kv_seg, interpret: bool):
-        def rows(q, k, v, q_seg, kv_seg):  # the kernel (its mask tables) is built inside every trace
-            kernel = _kernel(stream, q.shape[1], q.shape[2], block_size, interpret, prefix)
+    def run(q, k, v, q_seg, kv_seg, *tables, interpret: bool):
+        def rows(q, k, v, q_seg, kv_seg, *tables):  # the kernel (its mask tables) is built inside every trace
+            if make_kernel is not None:
+                kernel = make_kernel(q.shape[1], interpret, *tables)
+            else:
+                kernel = _kernel(stream, q.shape[1], q.shape[2], block_size, interpret, prefix)
             one = lambda q1, k1, v1, s1, s2: kernel(q1, k1, v1, segment_ids=sa.SegmentIds(s1, s2))  # noqa: E731
             return jax.vmap(one)(q, k, v, q_seg, kv_seg)
 
         if q.dtype == jnp.float32:  # fp32 keeps the caller's precision (HIGHEST in the parity tests)
-            return rows(q, k, v, q_seg, kv_seg)
-        return _at_default_precision(rows, q, k, v, q_seg, kv_seg)
+            return rows(q, k, v, q_seg, kv_seg, *tables)
+        return _at_default_precision(rows, q, k, v, q_seg, kv_seg, *tables)
 
     def call(*args):
         if mode is not None:
@@ -203,16 +211,17 @@ def splash_attention(
     return out[:, :t]
 
 
-def splash_core(q, k, v, q_seg, kv_seg, *, stream: Stream, block_size: int, interpret: bool | None,
-                prefix: int = 0) -> jax.Array:
+def splash_core(q, k, v, q_seg, kv_seg, *tables, stream: Stream, block_size: int, interpret: bool | None,
+                prefix: int = 0, make_kernel=None) -> jax.Array:
     """The kernel on one device's blocks in the model's layout: q [B, Tp, H, D] (unscaled), k, v
     [B, S, K, D], q_seg [B, Tp], kv_seg [B, S] int32, Tp a whole number of tiles, S = ``prefix`` +
-    Tp (clean) or + 2 Tp (noisy), the queries after ``prefix`` clean keys (``stream_mask``).
-    Returns [B, Tp, H, D]."""
+    Tp (clean) or + 2 Tp (noisy), the queries after ``prefix`` clean keys (``stream_mask``), or the
+    keys ``make_kernel`` expects, given ``tables`` (``per_device``). Returns [B, Tp, H, D]."""
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, H, D] <-> [B, H, T, D]
     q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
-    core = per_device(stream, block_size if stream == "noisy" else 1, interpret, prefix)
-    out = core(heads_first(q), heads_first(k.astype(q.dtype)), heads_first(v.astype(q.dtype)), q_seg, kv_seg)
+    core = per_device(stream, block_size if stream == "noisy" else 1, interpret, prefix, make_kernel)
+    out = core(heads_first(q), heads_first(k.astype(q.dtype)), heads_first(v.astype(q.dtype)), q_seg, kv_seg,
+               *tables)
     return heads_first(out)
 
 
@@ -235,17 +244,22 @@ def active_tiles(stream: Stream, tp: int, block_size: int, prefix: int = 0) -> i
 
 
 def kernel_cost(name: str, operands: tuple, results: tuple, estimate: object = None, *,
-                block_size: int, context: int = 1) -> tuple[float, float] | None:
+                block_size: int, context: int = 1, layout: str = "contiguous") -> tuple[float, float] | None:
     """(FLOPs, bytes) of one compiled splash call named ``splash_mha_{fwd,dq,dkv}...`` (the
     ``kernel_cost`` hook of `train.hlo_cost`): matmul FLOPs of the tiles the kernel runs for the
     stream its shapes name (S = 2T: noisy, with the training ``block_size``), x batch x query heads;
     with the row over ``context`` shards (each shard's Tp queries after the (context - 1) Tp keys of
-    the others): S = context Tp clean, (context + 1) Tp noisy;
+    the others): S = context Tp clean, (context + 1) Tp noisy; under a ``layout`` of several pieces
+    per shard (zigzag) the shard's queries run over the row's keys with their own tables
+    (:mod:`pallas_kernels.attention_splash_rows`): the most tiles any shard runs;
     bytes = its operands and results read / written once. None for any other kernel (``estimate``,
     the call's own cost estimate, is unused: splash reports none).
 
     ``operands`` / ``results``: the call's arrays (objects with ``dtype``, ``dims``, ``bytes``); q is
     the first float [B, H, Tp, D] (or [H, Tp, D]) operand, k the next."""
+    from .attention_splash_rows import row_tables  # it builds on this module's tiles
+    from .context_layout import pieces
+
     m = re.match(r"splash_mha_(fwd|dq|dkv)", name)
     arrays = [a for a in operands if len(a.dims) in (3, 4) and a.dtype in ("bf16", "f32", "f16")]
     if m is None or len(arrays) < 2:
@@ -256,6 +270,10 @@ def kernel_cost(name: str, operands: tuple, results: tuple, estimate: object = N
     if stream == "clean" and s != context * tp:
         return None
     bs = block_sizes_for(tp, s)
-    tiles = active_tiles(stream, tp, block_size if stream == "noisy" else 1, prefix=(context - 1) * tp)
+    block = block_size if stream == "noisy" else 1
+    if context > 1 and pieces(layout) > 1:
+        tiles = row_tables(stream, layout, context, tp // pieces(layout), block).tiles
+    else:
+        tiles = active_tiles(stream, tp, block, prefix=(context - 1) * tp)
     flops = 2.0 * _TILE_MATMULS[m.group(1)] * tiles * bs.block_q * bs.block_kv * d * b * h
     return flops, float(sum(a.bytes for a in (*operands, *results)))

@@ -38,12 +38,13 @@ def ep_buffer_fill(num_experts: int, k: int, ep: int) -> float:
 def step_kernel_cost(cfg: ModelConfig, expert_shards: int, block_size: int, context: int = 1) -> Callable[..., Any]:
     """The `kernel_cost(name, operands, results, estimate)` hook for a step of `cfg` with the experts
     over `expert_shards` devices, the noisy stream at `block_size` (1: clean stream only) and each
-    row over `context` shards."""
+    row over `context` shards in `cfg.context_layout`."""
     fill = ep_buffer_fill(cfg.num_experts, cfg.num_experts_per_tok, expert_shards)
 
     def cost(name: str, operands: tuple, results: tuple, estimate: tuple[float, float] | None):
         if name.startswith("splash_mha"):
-            return splash_kernel_cost(name, operands, results, block_size=block_size, context=context)
+            return splash_kernel_cost(name, operands, results, block_size=block_size, context=context,
+                                      layout=cfg.context_layout)
         if name in GROUPED_MATMUL_KERNELS and estimate is not None:
             return estimate[0] * fill, estimate[1] * fill
         return None

@@ -151,9 +151,10 @@ def test_zigzag_context_attention_equals_one_device(stream, block, context):
 @pytest.mark.parametrize("backend,stream,block,context", [("splash", "clean", 1, 4), ("flash", "noisy", 4, 4),
                                                           ("splash", "noisy", 4, 2)])
 def test_zigzag_kernels_equal_one_device_reference(backend, stream, block, context):
-    """The kernels per shard (interpreted) under the zigzag layout: each of a shard's two pieces is a
-    row with its own rolled keys (the row's pieces in row order, that piece last, later ones masked
-    by id); values and dq, dk, dv equal the one-device reference."""
+    """The kernels per shard (interpreted) under the zigzag layout: splash runs the shard's two pieces
+    as one query row over the row's keys with the shard's own block tables, flash each piece as a row
+    with its own rolled keys (the row's pieces in row order, that piece last, later ones masked by
+    id); values and dq, dk, dv equal the one-device reference."""
     from pallas_kernels.context_layout import from_layout, to_layout
 
     q, k, v, w = _inputs(stream)

@@ -81,3 +81,39 @@ def test_splash_tiles_of_a_context_shard(n):
         got, _ = kernel_cost("splash_mha_fwd_z", (arr(1, 4, tp, d), arr(1, 2, s, d)), (), None, block_size=bs,
                              context=n)
         assert got == 2 * 2 * tiles * b.block_q * b.block_kv * d * 4
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_splash_tiles_of_a_zigzag_shard(n):
+    """Under the zig-zag layout (shard i: row pieces i and 2n - 1 - i, queries over the row's keys in
+    row order with per-shard tables) the hook costs the most tiles any shard runs, counted here by
+    brute force over each shard's mask on row slots; fewer than a contiguous shard's (-> half as n grows)."""
+    piece, bs, d = 512, 32, 64
+    tq, clean_keys = 2 * piece, 2 * n * piece
+
+    def brute(s, stream):
+        b, most = block_sizes_for(tq, s), 0
+        for i in range(n):
+            q = np.concatenate([i * piece + np.arange(piece), (2 * n - 1 - i) * piece + np.arange(piece)])[:, None]
+            k = np.arange(s)[None, :]
+            if stream == "clean":
+                m = k <= q
+            else:
+                own = q[:, 0][np.clip(k - clean_keys, 0, None)]  # the shard's noisy keys sit at its queries' slots
+                m = np.where(k < clean_keys, k < q - q % bs, own // bs == q // bs)
+            tiles = m.reshape(tq // b.block_q, b.block_q, s // b.block_kv, b.block_kv).any(axis=(1, 3)).sum()
+            most = max(most, int(tiles))
+        return most
+
+    arr = lambda *dims: SimpleNamespace(dtype="bf16", dims=dims, bytes=2 * int(np.prod(dims)))  # noqa: E731
+    for stream, s in (("clean", clean_keys), ("noisy", clean_keys + tq)):
+        b = block_sizes_for(tq, s)
+        tiles = brute(s, stream)
+        got, _ = kernel_cost("splash_mha_fwd_z", (arr(1, 4, tq, d), arr(1, 2, s, d)), (), None, block_size=bs,
+                             context=n, layout="zigzag")
+        assert got == 2 * 2 * tiles * b.block_q * b.block_kv * d * 4, stream
+        contiguous, _ = kernel_cost("splash_mha_fwd_z", (arr(1, 4, tq, d), arr(1, 2, s, d)), (), None,
+                                    block_size=bs, context=n)
+        if stream == "clean":  # by hand: 2n + 1 tiles (module test) vs 2 q tiles x 2 (n - 1) + 3
+            assert got / contiguous == pytest.approx((2 * n + 1) / (4 * n - 1))
+        assert got < contiguous, stream
