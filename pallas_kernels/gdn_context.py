@@ -113,14 +113,15 @@ def from_previous_shard(x_BT: jax.Array, n: int, axis: str = CONTEXT_AXIS) -> ja
 
 def in_row_order(x_RX: jax.Array, layout: str, axis: str = CONTEXT_AXIS) -> jax.Array:
     """Per piece row values [B * P, ...] of every shard, all-gathered and put in row order:
-    [n * P, B, ...] (row-order piece r of every row b)."""
+    [n * P, B, ...] (row-order piece r of every row b). The reorder is static slices concatenated
+    (a gather by a constant index would transpose into a scatter-add in the backward)."""
     p = pieces(layout)
     every = lax.all_gather(x_RX, axis)  # [n, B * P, ...]
     if p == 1:
         return every
     n, b = every.shape[0], x_RX.shape[0] // p
     every = jnp.moveaxis(every.reshape((n, b, p) + x_RX.shape[1:]), 2, 1).reshape((n * p, b) + x_RX.shape[1:])
-    return jnp.take(every, jnp.asarray(row_order(layout, n)), axis=0)
+    return jnp.concatenate([every[j:j + 1] for j in row_order(layout, n)], axis=0)
 
 
 def my_pieces(layout: str, axis: str) -> jax.Array:
@@ -129,9 +130,10 @@ def my_pieces(layout: str, axis: str) -> jax.Array:
 
 
 def _pick(rows_NBX: jax.Array, index_P: jax.Array) -> jax.Array:
-    """Row-order values [n * P, B, ...] -> this shard's piece rows [B * P, ...] at ``index``."""
-    got = jnp.moveaxis(jnp.take(rows_NBX, index_P, axis=0), 0, 1)  # [B, P, ...]
-    return got.reshape((-1,) + got.shape[2:])
+    """Row-order values [n * P, B, ...] -> this shard's piece rows [B * P, ...] at ``index`` (one
+    dynamic slice per piece: its transpose is an update of a slice, not a scatter-add)."""
+    got = jnp.stack([lax.dynamic_index_in_dim(rows_NBX, i, axis=0, keepdims=False) for i in index_P], axis=1)
+    return got.reshape((-1,) + got.shape[2:])  # [B, P, ...] -> [B * P, ...]
 
 
 def from_previous_piece(x_RT: jax.Array, n: int, layout: str, axis: str = CONTEXT_AXIS) -> jax.Array:
