@@ -131,7 +131,8 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
     plans = []
     for topo_name in topologies or [ccfg.topology]:
         print(f"compiling the SFT train step of {path} for {topo_name} ({rows} rows x {t} tokens, {mb} "
-              f"micro-batches, block {bk}, remat {policy}, GDN {mcfg.gdn_backend}, attention {mcfg.attn_backend}) ...",
+              f"micro-batches, block {bk}, remat {policy}, GDN {mcfg.gdn_backend}, attention {mcfg.attn_backend}, "
+              f"context layout {mcfg.context_layout}) ...",
               flush=True)
         topo, mesh = topology_mesh(topo_name, cfg.mesh)
         p_sh, state_sh, state = sharded_abstract_state(model, optimizer, mesh, cfg.train)
