@@ -158,7 +158,7 @@ def _shard_body(streams: tuple[str, ...], block_size: int, backend: str, tp: int
     kernels, so their dK / dV are summed on the chip before the one reduce-scatter back. A layout of
     P pieces per shard runs splash on the keys in row order with per-shard tables
     (``_splash_in_row_order``) and flash on the pieces as rows, each with its own rolled keys
-    (``rolled_piece_keys``): every piece's queries then also sit after a static prefix."""
+    (``rolled_piece_keys``), so each piece's queries sit after a static prefix."""
     npc = pieces(layout)
 
     def body(*args):

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import gdn_sharding
 from .attention_layout import check_stream_inputs, pad_stream_rows
+from .context_layout import pieces
 
 LANES = 128  # splash tiles are multiples of the 128-lane vreg width
 #: largest tile first: 512 x 512 tiles keep the MXU busy at head dim 256 and fit VMEM in fwd and bwd
@@ -257,8 +258,7 @@ def kernel_cost(name: str, operands: tuple, results: tuple, estimate: object = N
 
     ``operands`` / ``results``: the call's arrays (objects with ``dtype``, ``dims``, ``bytes``); q is
     the first float [B, H, Tp, D] (or [H, Tp, D]) operand, k the next."""
-    from .attention_splash_rows import row_tables  # it builds on this module's tiles
-    from .context_layout import pieces
+    from .attention_splash_rows import row_tables  # imported here: it builds on this module's tiles
 
     m = re.match(r"splash_mha_(fwd|dq|dkv)", name)
     arrays = [a for a in operands if len(a.dims) in (3, 4) and a.dtype in ("bf16", "f32", "f16")]
