@@ -22,6 +22,12 @@ q, k, v and their segment ids per shard, `clover_jax.model.gdn_context`.)
 
     python bench/gdn_context.py                          # T = 4096, fsdp 2 x context 4, both modes
     python bench/gdn_context.py --seq 32768 --backend pallas
+    python bench/gdn_context.py --modes layer --layouts contiguous,zigzag --out bench/results/gdn_context_layouts.json
+
+The last compares the whole layer under both context layouts, with its HBM traffic (`train.hlo_cost`):
+under zig-zag each shard's two pieces run as two rows and the entry-state scan runs over 2n piece
+maps instead of n (replicated on every shard, with its [2n, B, H, dk, dv] fp32 carries and their
+cotangents), bytes that grow with the number of pieces, not with T.
 
 The analytic bytes do not depend on T (only the state maps travel); T = 4096 keeps the compile of
 the jnp reference per shard to minutes on 2 CPU cores.
@@ -117,12 +123,14 @@ def compile_one(mode: str, t: int, fsdp: int, n: int, devices, backend: str | No
             "temp_GiB": mem.temp_size_in_bytes / GiB}
 
 
-def compile_layer(t: int, fsdp: int, n: int, devices, chunk: int = CHUNK, block: int = BLOCK) -> dict:
+def compile_layer(t: int, fsdp: int, n: int, devices, chunk: int = CHUNK, block: int = BLOCK,
+                  layout: str = "contiguous") -> dict:
     """The whole block-mode GDN layer (projections, conv with its halo, both streams, gated norm,
     out_proj; Qwen3.6-35B-A3B widths, bf16 compute, fp32 params, Pallas per shard), fwd + bwd w.r.t.
     params and input, rows [fsdp, 2T] laid out by THE rule table. Its collective bytes beyond the op's
     are the FSDP weights' (each param gathered whole over fsdp x context, its gradient scattered back)
-    and the conv halo."""
+    and the conv halo. ``layout``: the row's context layout (``model.context_layout``); the layer's input
+    is taken as already laid out (the model moves it once, before the stack)."""
     from flax import nnx
 
     from clover_jax.config import ModelConfig
@@ -142,7 +150,7 @@ def compile_layer(t: int, fsdp: int, n: int, devices, chunk: int = CHUNK, block:
 
     def loss(p, x, seg):
         y = nnx.merge(graphdef, p).two_stream(x, {"segment_ids": seg, "block_size": block,
-                                                  "empty_segment": NO_SEGMENT})
+                                                  "empty_segment": NO_SEGMENT, "context_layout": layout})
         return jnp.sum(y.astype(jnp.float32))
 
     t0 = time.perf_counter()
@@ -152,8 +160,8 @@ def compile_layer(t: int, fsdp: int, n: int, devices, chunk: int = CHUNK, block:
     param_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))
     lring = cfg.linear_conv_kernel_dim - 1
     halo = lring * (2 * cfg.gdn_key_dim + cfg.gdn_value_dim) * 2 + lring * 4  # one row: q, k, v bf16 + ids
-    return {"mode": "layer", "T": t, "fsdp": fsdp, "context": n, "backend": "pallas",
-            "compile_s": time.perf_counter() - t0,
+    return {"mode": "layer", "T": t, "fsdp": fsdp, "context": n, "backend": "pallas", "layout": layout,
+            "compile_s": time.perf_counter() - t0, "hbm_bytes": walked.hbm_bytes,
             "hlo_collective_bytes": dict(walked.collective_bytes), "ici_bytes": dict(walked.ici_bytes),
             "param_bytes": param_bytes, "op_analytic_bytes": analytic("block", n), "conv_halo_bytes": halo,
             "kernel_calls": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
@@ -186,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--backend", default=None, help="GDN backend inside each shard (default: the op's default)")
     ap.add_argument("--key-heads", type=int, default=HK, help=f"{H}: keys repeated to the value heads")
     ap.add_argument("--topology", default="v5p:2x2x2", help="libtpu topology string (fsdp x context chips)")
+    ap.add_argument("--layouts", default="contiguous", help="context layouts of the whole-layer compile (`layer` mode)")
     ap.add_argument("--out", default=str(RESULTS / "gdn_context.json"))
     ap.add_argument("--before", default=str(RESULTS / "gdn_context_before.json"))
     a = ap.parse_args(argv)
@@ -204,14 +213,17 @@ def main(argv: list[str] | None = None) -> dict:
         before = {(r["mode"], r["T"], r["fsdp"], r["context"]): r for r in old}
     table(rows, before)
     if "layer" in a.modes.split(","):
-        r = compile_layer(a.seq, a.fsdp, a.context, devices)
-        rows.append(r)
-        print(f"\nthe whole block-mode GDN layer (fwd+bwd, params fp32 = {r['param_bytes'] / 2**20:.1f} MiB, FSDP over "
-              f"fsdp x context; op analytic {sum(r['op_analytic_bytes'].values()) / 2**20:.2f} MiB, conv halo "
-              f"{r['conv_halo_bytes'] / 2**10:.1f} KiB per permute set), MiB per chip:")
-        for kind in KINDS:
-            print(f"{kind:>20}{r['hlo_collective_bytes'][kind] / 2**20:>11.2f}")
-        print(f"   (compile {r['compile_s']:.1f} s, {r['kernel_calls']} kernel calls, temp {r['temp_GiB']:.2f} GiB)")
+        for layout in a.layouts.split(","):
+            r = compile_layer(a.seq, a.fsdp, a.context, devices, layout=layout)
+            rows.append(r)
+            print(f"\nthe whole block-mode GDN layer, {layout} layout (fwd+bwd, params fp32 = "
+                  f"{r['param_bytes'] / 2**20:.1f} MiB, FSDP over fsdp x context; op analytic "
+                  f"{sum(r['op_analytic_bytes'].values()) / 2**20:.2f} MiB, conv halo {r['conv_halo_bytes'] / 2**10:.1f} "
+                  "KiB per permute set), MiB per chip:")
+            for kind in KINDS:
+                print(f"{kind:>20}{r['hlo_collective_bytes'][kind] / 2**20:>11.2f}")
+            print(f"   HBM traffic {r['hbm_bytes'] / 1e9:.3f} GB/chip (compile {r['compile_s']:.1f} s, "
+                  f"{r['kernel_calls']} kernel calls, temp {r['temp_GiB']:.2f} GiB)")
     out = {"seq": a.seq, "topology": a.topology, "rows": rows}
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     return out
