@@ -83,7 +83,6 @@ def _check_split(t: int, block_size: int, mesh, layout: str = "contiguous") -> N
                          f"layout over mesh.context={n}) whose length is a multiple of block_size {block_size}")
 
 
-
 def context_two_stream_attention(q_c_BTHD, q_n_BTHD, k_c_BTKD, k_n_BTKD, v_c_BTKD, v_n_BTKD, segment_ids_BT, *,
                                  block_size: int, backend: str, mesh=None, layout: str = "contiguous",
                                  **kernel_kw) -> tuple[jax.Array, jax.Array]:

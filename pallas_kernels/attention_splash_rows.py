@@ -35,9 +35,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.tpu import splash_attention as sa
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sa_kernel
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sa_mask
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as sa_info
 
 from .attention_splash import Stream, block_sizes_for
@@ -177,23 +175,5 @@ def shard_kernel(stream: Stream, layout: str, n: int, tp: int, block_size: int, 
         mask_function=fn, interpret=interpret)
 
 
-class RowSlotMask(sa_mask._ComputableMask):
-    """One shard's mask as splash's own mask object (for checking the tables against
-    ``process_mask``): queries at ``slots`` over the stream's keys."""
-
-    def __init__(self, stream: Stream, slots: np.ndarray, block_size: int, clean_keys: int):
-        codes, shift = query_codes(stream, slots, block_size)
-        keys = clean_keys + (slots.size if stream == "noisy" else 0)
-        super().__init__(shape=(slots.size, keys), mask_function=mask_function(stream, shift, clean_keys, block_size))
-        self.q_sequence = codes
-        self._key = (stream, codes.tobytes(), block_size, clean_keys)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RowSlotMask) and self._key == other._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
-
-
-__all__ = ["RowSlotMask", "RowTables", "block_classes", "mask_function", "next_visited", "query_codes",
+__all__ = ["RowTables", "block_classes", "mask_function", "next_visited", "query_codes",
            "query_intervals", "query_slots", "row_tables", "shard_kernel"]

@@ -52,7 +52,11 @@ def moves(layout: str, n: int, inverse: bool = False) -> tuple[Move, ...]:
                 dst, slot = where[src * p + h]
                 send[src], recv[dst] = h, slot
             else:  # the piece of this shard whose row index is h mod P goes to slot h of its row-order shard
-                (q,) = [q for q in range(p) if table[src, q] % p == h]
+                slots = [q for q in range(p) if table[src, q] % p == h]
+                if len(slots) != 1:
+                    raise ValueError(f"context exchange: layout {layout!r} at n={n} gives shard {src} {len(slots)} "
+                                     f"pieces of row index {h} mod {p}, not one")
+                q = slots[0]
                 dst = int(table[src, q]) // p
                 send[src], recv[dst] = q, h
             pairs.append((src, dst))

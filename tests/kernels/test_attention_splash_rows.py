@@ -9,15 +9,34 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sa_mask
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as sa_info
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.attention_context import context_two_stream_attention
 from pallas_kernels.attention_reference import clean_attention_ref, noisy_attention_ref
 from pallas_kernels.attention_splash import active_tiles, block_sizes_for
-from pallas_kernels.attention_splash_rows import RowSlotMask, mask_function, query_codes, query_slots, row_tables
+from pallas_kernels.attention_splash_rows import mask_function, query_codes, query_slots, row_tables
 from pallas_kernels.context_layout import to_layout, from_layout
 from tests.model.parity_utils import FP32_REL, assert_rel_close, fast_jit
+
+class RowSlotMask(sa_mask._ComputableMask):
+    """One shard's mask as splash's own mask object (queries at ``slots`` over the stream's keys), for
+    splash's ``process_mask`` to build its tables from."""
+
+    def __init__(self, stream, slots: np.ndarray, block_size: int, clean_keys: int):
+        codes, shift = query_codes(stream, slots, block_size)
+        keys = clean_keys + (slots.size if stream == "noisy" else 0)
+        super().__init__(shape=(slots.size, keys), mask_function=mask_function(stream, shift, clean_keys, block_size))
+        self.q_sequence = codes
+        self._key = (stream, codes.tobytes(), block_size, clean_keys)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RowSlotMask) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
 
 CASES = [("clean", 1, 2, 128), ("clean", 1, 4, 256), ("noisy", 4, 2, 128), ("noisy", 32, 4, 128),
          ("noisy", 128, 2, 256), ("clean", 1, 2, 384)]

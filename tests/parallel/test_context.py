@@ -179,8 +179,8 @@ def test_model_training_with_context_equals_single_device(params, reference, mes
 def test_sft_step_with_context_compiles_for_tpu(layout):
     """TPU AOT (libtpu on this CPU host) of the recipe's SFT step on v5p-8 with (fsdp 2, context 2),
     at the smallest widths that keep both mixers (the `tiny` preset, 2 layers, 2 rows x 64 tokens,
-    block 16: two blocks per shard, one per zigzag piece), in both context layouts: it compiles and fits, and the program holds the
-    context exchanges (the conv halo and entry-segment `ppermute`s, the K/V and shard-map
+    block 16: two blocks per shard, one per zigzag piece), in both context layouts: it compiles and
+    fits, and the program holds the context exchanges (the conv halo and entry-segment `ppermute`s, the K/V and shard-map
     all-gathers), and the attention runs the splash kernels per shard (the recipe's TPU backend under
     a context mesh). It only has to prove the context step compiles for a TPU topology."""
     import launch
