@@ -57,7 +57,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     out = export_orbax_to_hf(
         args.checkpoint, args.out, format=args.format, expert_layout=args.expert_layout, prefix=args.prefix,
-        max_shard_bytes=int(args.max_shard_gb * 10**9), overwrite=args.overwrite,
+        max_shard_bytes=int(args.max_shard_gb * 10**9), overwrite=args.overwrite, clover_naming=args.clover_naming,
     )
     fmt = args.format or "format by the checkpoint mode"
     print(f"exported {args.checkpoint} -> {out} ({fmt}) in {time.perf_counter() - t0:.1f} s")
@@ -328,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("qwen", "clover"), default=None,
                    help="clover: clover_moe with the block-diffusion tensors and the mask token; qwen: "
                         "qwen3_5_moe_text without them; default: clover for a block-mode checkpoint, else qwen")
+    p.add_argument("--clover-naming", choices=("split", "packed"), default="split",
+                   help="the Clover tensors' names (format clover): split = conv_right_weight and the three "
+                        "bd_softmax_* scalars per GDN layer (what llama.cpp's converter reads); packed = "
+                        "bd_gdn_conv_right_weight and bd_gdn_softmax_scalars [nv, 3]")
     p.add_argument("--expert-layout", choices=("fused", "per_expert"), default=None,
                    help="default: the layout of the checkpoint's HF source")
     p.add_argument("--prefix", choices=("model.", "model.language_model."), default=None,

@@ -19,8 +19,12 @@ _LAYER_TYPES = (LINEAR, FULL)
 #: HF model types this config reads. `clover_moe` carries the same text fields (plus block-diffusion
 #: fields that the block-diffusion issue adds).
 HF_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "clover_moe")
+#: The `architectures` entry of a `clover_moe` config.json: the HF class llama.cpp's Clover converter
+#: registers (docs/design.md 2.2).
+CLOVER_ARCHITECTURE = "CloverMoeModelLM"
 #: Block-diffusion fields a `clover_moe` config.json carries besides the text fields (docs/design.md 3).
-CLOVER_HF_FIELDS = ("block_size", "mask_token_id", "logits_shift", "bd_alpha_init", "bd_beta_init", "bd_gamma_init")
+CLOVER_HF_FIELDS = ("block_size", "mask_token_id", "logits_shift", "bd_alpha_init", "bd_beta_init", "bd_gamma_init",
+                    "moe_block_coreset")
 
 
 class ModelConfigError(ValueError):
@@ -90,6 +94,10 @@ class ModelConfig:
     bd_alpha_init: float | None = None  # in-block softmax temperature; None = sqrt(linear_key_head_dim)
     bd_beta_init: float = 0.0  # history-unit logit offset
     bd_gamma_init: float = 1.0  # history-unit log(B) coefficient (block-size calibration)
+    # block coreset routing (clover_jax.model.moe_coreset): the noisy tokens of a block (training's
+    # noisy stream, decoding's block steps) take their top-k among the block's C experts of largest
+    # router mass; None = free routing
+    moe_block_coreset: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -115,6 +123,10 @@ class ModelConfig:
             raise ModelConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ModelConfigError("num_experts_per_tok must be in [1, num_experts]")
+        c = self.moe_block_coreset
+        if c is not None and not self.num_experts_per_tok <= c <= self.num_experts:
+            raise ModelConfigError(f"moe_block_coreset {c} must be null or in [num_experts_per_tok="
+                                   f"{self.num_experts_per_tok}, num_experts={self.num_experts}]")
         sizes = self.block_size if isinstance(self.block_size, tuple) else (self.block_size,)
         if isinstance(self.block_size, list):
             object.__setattr__(self, "block_size", tuple(self.block_size))
@@ -197,7 +209,7 @@ class ModelConfig:
             raise ModelConfigError(f"cannot write model_type {model_type!r}")
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
         out = {
-            "architectures": ["CloverMoeForCausalLM" if model_type == "clover_moe" else "Qwen3_5MoeForCausalLM"],
+            "architectures": [CLOVER_ARCHITECTURE if model_type == "clover_moe" else "Qwen3_5MoeForCausalLM"],
             "model_type": model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -233,6 +245,7 @@ class ModelConfig:
             "dtype": "bfloat16",
         }
         if model_type == "clover_moe":
+            out["num_shared_experts"] = 1  # what llama.cpp's Clover converter reads (Qwen3.6: one)
             for name in CLOVER_HF_FIELDS:
                 value = getattr(self, name)
                 out[name] = list(value) if isinstance(value, tuple) else value
@@ -254,6 +267,9 @@ class ModelConfig:
         text = hf.get("text_config", hf) if model_type == "qwen3_5_moe" else hf
         if model_type == "qwen3_5_moe" and "text_config" not in hf:
             raise ModelConfigError(f"{source}: model_type 'qwen3_5_moe' without a text_config")
+        if int(text.get("num_shared_experts", 1)) != 1:
+            raise ModelConfigError(f"{source}: num_shared_experts={text['num_shared_experts']} unsupported "
+                                   "(this architecture has exactly one shared expert)")
         if text.get("attention_bias"):
             raise ModelConfigError(f"{source}: attention_bias=true is not supported by this architecture")
         if text.get("hidden_act", "silu") != "silu":

@@ -105,6 +105,9 @@ class ExportConfig:
 
     dir: str | None = None
     format: Literal["clover", "qwen"] = "clover"
+    # the Clover tensors' names (clover_jax.bridge.hf_clover): split = the four per GDN layer that
+    # llama.cpp's Clover converter reads; packed = the two of the other public naming
+    clover_naming: Literal["split", "packed"] = "split"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     overwrite: bool = True
 

@@ -543,7 +543,7 @@ def export(setup: SFTSetup, params: Any) -> Path:
     model = model_from_params(setup.model_cfg.replace(param_dtype="float32", dtype="float32"), host)
     src = setup.tok_dir
     return save_hf(model, setup.model_cfg, ec.dir, format=ec.format, dtype=jnp.dtype(ec.dtype),
-                   source_dir=src, overwrite=ec.overwrite)
+                   source_dir=src, overwrite=ec.overwrite, clover_naming=ec.clover_naming)
 
 
 def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: Callable | None = None,

@@ -256,11 +256,33 @@ def clover_tensors(
     return out
 
 
+#: the other public naming (llama.cpp's Clover converter): per GDN layer three scalars and the right taps
+SPLIT_SCALARS = ("bd_softmax_logit_scale", "bd_softmax_history_bias", "bd_softmax_history_c")
+SPLIT_CONV_RIGHT = "conv_right_weight"
+
+
+def split_clover_tensors(packed: dict[str, torch.Tensor], scalar_shape: str = "V") -> dict[str, torch.Tensor]:
+    """The same Clover values in the split naming: each packed [nv, 3] column (alpha, beta, gamma) as
+    its own tensor ([nv] for "V", [nv, 1] for "V1"), the right taps renamed as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in packed.items():
+        layer = key[: key.rindex(".") + 1]
+        if key.endswith(CLOVER_SCALARS):
+            for j, name in enumerate(SPLIT_SCALARS):
+                col = t[:, j].clone()
+                out[layer + name] = col[:, None].contiguous() if scalar_shape == "V1" else col
+        elif key.endswith(CLOVER_CONV_RIGHT):
+            out[layer + SPLIT_CONV_RIGHT] = t.clone()
+        else:
+            raise AssertionError(key)
+    return out
+
+
 def clover_config(text_cfg: Qwen3_5MoeTextConfig, **fields: Any) -> dict[str, Any]:
     """A `clover_moe` config.json dict: the text config's fields plus the block-diffusion `fields`
     (e.g. block_size=[4, 8], mask_token_id=200), as given."""
     d = text_cfg.to_dict()
-    d.update(model_type="clover_moe", architectures=["CloverMoeForCausalLM"], **fields)
+    d.update(model_type="clover_moe", architectures=["CloverMoeModelLM"], num_shared_experts=1, **fields)
     return d
 
 

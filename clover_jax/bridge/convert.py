@@ -98,6 +98,7 @@ class HFCheckpoint:
             "model_type": self.model_type,
             "composite_config": self.composite_config,
             "clover_tensors": self.layout.clover,
+            "clover_naming": self.layout.clover_naming if self.layout.clover else None,
         }
 
 
@@ -122,7 +123,7 @@ def open_hf(
         layout = dataclasses.replace(layout, clover=False)  # -> named as unexpected just below
     hk.check_tensor_names(cfg, layout, text_keys, source=str(d))
     hk.check_hf_shapes(cfg, layout, index.shape, source=str(d), file_of=index.file_of)
-    hc.log_read(cfg, layout.clover, str(d))
+    hc.log_read(cfg, layout.clover, str(d), layout.clover_naming)
     return HFCheckpoint(d, cfg, index, layout, raw.get("model_type", ""), "text_config" in raw)
 
 
@@ -236,7 +237,7 @@ def _write_hf_dir(
             cfg = cfg.replace(mask_token_id=tok[1])
             logger.info("%s: mask_token_id was unset; it is %d, the id %r gets in the exported tokenizer",
                         out, tok[1], MASK_TOKEN)
-    hc.log_write(cfg, layout.clover, str(out))
+    hc.log_write(cfg, layout.clover, str(out), layout.clover_naming)
     plan = hk.globals_hf_specs(cfg, layout, globals_dtypes)
     for i in range(cfg.num_hidden_layers):
         plan += hk.layer_hf_specs(cfg, layout, i, layer_dtypes(i))
@@ -356,13 +357,16 @@ def export_orbax_to_hf(
     prefix: str | None = None,
     max_shard_bytes: int = 5 * 10**9,
     overwrite: bool = False,
+    clover_naming: str = hc.SPLIT,
 ) -> Path:
     """Params checkpoint -> HF dir, streaming one layer at a time.
 
     ``format="qwen"`` writes a ``qwen3_5_moe_text`` checkpoint loadable by transformers'
     ``Qwen3_5MoeForCausalLM`` (also when the source config was the composite ``qwen3_5_moe``), without
-    the Clover tensors; ``"clover"`` a ``clover_moe`` one with them; None: by the checkpoint's mode.
-    ``expert_layout`` (``"fused"`` / ``"per_expert"``) and ``prefix`` (``"model.language_model."`` /
+    the Clover tensors; ``"clover"`` a ``clover_moe`` one (architecture ``CloverMoeModelLM``) with
+    them, named by ``clover_naming`` (``"split"``: the four tensor kinds per GDN layer llama.cpp's
+    Clover converter reads; ``"packed"``: the two of the other public naming, `hf_clover`); None: by
+    the checkpoint's mode. ``expert_layout`` (``"fused"`` / ``"per_expert"``) and ``prefix`` (``"model.language_model."`` /
     ``"model."``) default to the source's as recorded at convert time. Tokenizer files and
     generation_config.json come from the recorded source dir when it still exists.
     """
@@ -373,7 +377,7 @@ def export_orbax_to_hf(
     layout = hk.HFLayout(
         prefix or src.get("hf_prefix", DEFAULT_LAYOUT.prefix),
         expert_layout or src.get("expert_layout", DEFAULT_LAYOUT.expert_layout),
-        clover=format == "clover",
+        clover=format == "clover", clover_naming=clover_naming,
     )
     source_dir = Path(src["hf_dir"]) if src.get("hf_dir") else None
     return _write_hf_dir(
@@ -394,10 +398,11 @@ def write_hf(
     max_shard_bytes: int = 5 * 10**9,
     source_dir: str | Path | None = None,
     overwrite: bool = False,
+    clover_naming: str = hc.SPLIT,
 ) -> Path:
     """In-memory per-layer tree (numpy or jax leaves, any dtypes) -> HF dir. Leaves are fetched to
     host one layer at a time. ``source_dir``: where to copy tokenizer / generation config from.
-    ``format`` as in `export_orbax_to_hf`."""
+    ``format`` and ``clover_naming`` as in `export_orbax_to_hf`."""
     format = _resolve_format(format, cfg)
     layers = per_layer_tree["layers"]
     if len(layers) != cfg.num_hidden_layers:
@@ -405,7 +410,7 @@ def write_hf(
     globals_tree = {k: v for k, v in per_layer_tree.items() if k != "layers"}
     flat_globals = flatten(globals_tree)
     return _write_hf_dir(
-        cfg, hk.HFLayout(prefix, expert_layout, clover=format == "clover"), Path(out_dir),
+        cfg, hk.HFLayout(prefix, expert_layout, clover=format == "clover", clover_naming=clover_naming), Path(out_dir),
         read_global=lambda k: np.asarray(flat_globals[k]), globals_dtypes=_dtypes(globals_tree),
         layer_dtypes=lambda i: _dtypes(layers[i]),
         read_layer=lambda i: _to_host(layers[i]),

@@ -1,17 +1,28 @@
-"""The two Clover block-diffusion tensors of an HF checkpoint <-> our block-mode GDN params (numpy).
+"""The Clover block-diffusion tensors of an HF checkpoint <-> our block-mode GDN params (numpy).
 
-Per GDN layer (``L = P + "layers.{i}.linear_attn."``; docs/design.md 2.2, 3.2 B and C):
+Two public namings exist (docs/design.md 2.2 says which source shows which; both are read, `split`
+is written by default, `packed` on request). Per GDN layer (``L = P + "layers.{i}.linear_attn."``;
+docs/design.md 2.2, 3.2 B and C):
 
-====================================  ==================================  ==================================
-HF tensor                             HF shape (accepted on read)         ours
-====================================  ==================================  ==================================
-``L bd_gdn_softmax_scalars``          [nv, 3] (also [nv], [nv, 2])        gdn.bd_gdn_softmax_scalars [nv, 3]
-``L bd_gdn_conv_right_weight``        [C, K-1] (also [C, 1, K-1])         gdn.conv_{q,k,v}.right [K-1, part]
-====================================  ==================================  ==================================
+======================================  ===============================  ==================================
+HF tensor                               HF shape (accepted on read)      ours
+======================================  ===============================  ==================================
+``split`` (llama.cpp's Clover converter, architecture ``CloverMoeModelLM``)
+``L bd_softmax_logit_scale``            [nv] (also [nv, 1], [])          bd_gdn_softmax_scalars[:, 0] alpha
+``L bd_softmax_history_bias``           [nv] (also [nv, 1], [])          bd_gdn_softmax_scalars[:, 1] beta
+``L bd_softmax_history_c``              [nv] (also [nv, 1], [])          bd_gdn_softmax_scalars[:, 2] gamma
+``L conv_right_weight``                 [C, K-1] (also [C, 1, K-1])      gdn.conv_{q,k,v}.right [K-1, part]
+``packed`` (the names a press article read in the released files)
+``L bd_gdn_softmax_scalars``            [nv, 3] (also [nv], [nv, 2])     gdn.bd_gdn_softmax_scalars [nv, 3]
+``L bd_gdn_conv_right_weight``          [C, K-1] (also [C, 1, K-1])      gdn.conv_{q,k,v}.right [K-1, part]
+======================================  ===============================  ==================================
 
-Scalars columns are (alpha, beta, gamma) per value head; an [nv] tensor is beta only and [nv, 2]
-is (beta, gamma): the missing columns come from the config's init values (logged, naming the
-tensor). The right-context conv is fused over the C = 2*key_dim + value_dim conv channels in the
+The split scalars' meaning is OUR READING of their names (logit_scale = the in-block q.k logit scale
+alpha, history_bias = the history unit's logit bias beta, history_c = the coefficient gamma of the
+log block-size term); no public source shows their formula. A split scalar given as [] (one value
+for every head) is broadcast, and says so. Packed columns are (alpha, beta, gamma) per value head; an
+[nv] tensor is beta only and [nv, 2] is (beta, gamma): the missing columns come from the config's
+init values (logged, naming the tensor). The right-context conv is fused over the C = 2*key_dim + value_dim conv channels in the
 q | k | v row order of ``conv1d.weight``; ``weight[c, d-1] = right[d-1, c]`` (tap d-1 multiplies
 the token d positions ahead). Anything else fails with `HFMappingError` naming tensor, shape and
 the accepted shapes.
@@ -35,8 +46,12 @@ from clover_jax.bridge.safetensors_io import CheckpointError
 
 logger = logging.getLogger("clover_jax.bridge.hf_keys")  # one logger for the whole HF mapping
 
-SCALARS = "bd_gdn_softmax_scalars"
+SCALARS = "bd_gdn_softmax_scalars"  # the packed naming
 CONV_RIGHT = "bd_gdn_conv_right_weight"
+SPLIT_SCALARS = ("bd_softmax_logit_scale", "bd_softmax_history_bias", "bd_softmax_history_c")  # alpha, beta, gamma
+SPLIT_CONV_RIGHT = "conv_right_weight"
+SPLIT, PACKED = "split", "packed"
+NAMINGS = (SPLIT, PACKED)
 OUR_SCALARS = "gdn.bd_gdn_softmax_scalars"
 OUR_RIGHT = ("gdn.conv_q.right", "gdn.conv_k.right", "gdn.conv_v.right")
 
@@ -56,9 +71,22 @@ def our_shapes(cfg: ModelConfig) -> tuple[Shape, tuple[Shape, Shape, Shape]]:
     return (cfg.linear_num_value_heads, 3), ((k1, cfg.gdn_key_dim), (k1, cfg.gdn_key_dim), (k1, cfg.gdn_value_dim))
 
 
-def hf_scalar_shapes(nv: int) -> list[Shape]:
-    """Accepted HF shapes of the scalars, canonical first."""
-    return [(nv, 3), (nv,), (nv, 2)]
+def scalar_names(naming: str) -> tuple[str, ...]:
+    """The HF names (after ``linear_attn.``) of the scalars in ``naming``: one packed, three split."""
+    if naming not in NAMINGS:
+        raise HFMappingError(f"unknown Clover tensor naming {naming!r} (supported: {', '.join(NAMINGS)})")
+    return (SCALARS,) if naming == PACKED else SPLIT_SCALARS
+
+
+def right_name(naming: str) -> str:
+    """The HF name (after ``linear_attn.``) of the right-context conv in ``naming``."""
+    scalar_names(naming)  # validates the naming
+    return CONV_RIGHT if naming == PACKED else SPLIT_CONV_RIGHT
+
+
+def hf_scalar_shapes(nv: int, naming: str = PACKED) -> list[Shape]:
+    """Accepted HF shapes of one scalars tensor in ``naming``, canonical first."""
+    return [(nv, 3), (nv,), (nv, 2)] if naming == PACKED else [(nv,), (nv, 1), ()]
 
 
 def hf_right_shapes(right_shapes: Sequence[Shape]) -> list[Shape]:
@@ -88,6 +116,18 @@ def check_shape(key: str, got: Sequence[int], accepted: Sequence[Shape], source:
 def init_scalars(nv: int, init: Sequence[float]) -> np.ndarray:
     """[nv, 3] fp32, every row (alpha, beta, gamma) = `init`."""
     return np.tile(np.asarray(init, np.float32), (nv, 1))
+
+
+def split_scalars_to_ours(keys: Sequence[str], arrs: Sequence[np.ndarray], nv: int, source: str) -> np.ndarray:
+    """The three split HF scalars (alpha, beta, gamma; each [nv], [nv, 1] or [] broadcast over the
+    heads, which is logged) -> ours [nv, 3] in their common dtype."""
+    cols = []
+    for key, arr in zip(keys, arrs):
+        check_shape(key, arr.shape, hf_scalar_shapes(nv, SPLIT), source)
+        if arr.ndim == 0:
+            logger.info("%s: %r is one value for all %d heads; broadcast", source, key, nv)
+        cols.append(np.broadcast_to(arr.reshape(-1), (nv,)))
+    return np.stack(cols, axis=1)
 
 
 def init_right(right_shapes: Sequence[Shape], dtype: np.dtype) -> list[np.ndarray]:
@@ -128,6 +168,11 @@ def right_to_ours(key: str, arr: np.ndarray, right_shapes: Sequence[Shape], sour
 # --------------------------------------------------------------------------------------------
 
 
+def scalars_to_split(scalars: np.ndarray) -> list[np.ndarray]:
+    """Ours [nv, 3] -> the split HF tensors [nv] x3 (alpha, beta, gamma; C-contiguous)."""
+    return [np.ascontiguousarray(scalars[:, j]) for j in range(3)]
+
+
 def right_to_hf(rights: Sequence[np.ndarray]) -> np.ndarray:
     """Ours [K-1, part] x3 -> HF [C, K-1] (C-contiguous)."""
     return np.ascontiguousarray(np.concatenate([r.T for r in rights], axis=0))
@@ -138,37 +183,43 @@ def right_to_hf(rights: Sequence[np.ndarray]) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-def _counts(cfg: ModelConfig) -> tuple[int, int]:
+def _counts(cfg: ModelConfig, naming: str) -> tuple[int, int]:
     n = sum(t == LINEAR for t in cfg.layer_types)
-    return 2 * n, n
+    return (len(scalar_names(naming)) + 1) * n, n
+
+
+def _names_text(naming: str) -> str:
+    return ", ".join(scalar_names(naming) + (right_name(naming),))
 
 
 def _init_text(cfg: ModelConfig) -> str:
     a, b, g = cfg.bd_scalar_init
-    return f"{SCALARS} (alpha, beta, gamma) = ({a:g}, {b:g}, {g:g}), {CONV_RIGHT} = 0"
+    return f"(alpha, beta, gamma) = ({a:g}, {b:g}, {g:g}), right-context conv taps = 0"
 
 
-def log_read(cfg: ModelConfig, hf_has_clover: bool, source: str) -> None:
-    """The one line a read gets when the checkpoint and `cfg.mode` disagree about the Clover tensors."""
-    n, layers = _counts(cfg)
+def log_read(cfg: ModelConfig, hf_has_clover: bool, source: str, naming: str = SPLIT) -> None:
+    """The one line a read gets when the checkpoint and `cfg.mode` disagree about the Clover tensors
+    (``naming``: the checkpoint's, when it has them)."""
+    n, layers = _counts(cfg, naming)
     if not layers:
         return
     if cfg.mode == "block" and not hf_has_clover:
-        logger.info("%s: no Clover block-diffusion tensors in the checkpoint; mode='block' fills %d "
-                    "(%d GDN layers) with their init values: %s", source, n, layers, _init_text(cfg))
+        logger.info("%s: no Clover block-diffusion tensors in the checkpoint; mode='block' fills the Clover "
+                    "parameters of %d GDN layers with their init values: %s", source, layers, _init_text(cfg))
     elif cfg.mode == "ar" and hf_has_clover:
-        logger.info("%s: mode='ar' drops the checkpoint's %d Clover block-diffusion tensors (%s, %s of "
-                    "%d GDN layers): AR mode is the clean stream only", source, n, SCALARS, CONV_RIGHT, layers)
+        logger.info("%s: mode='ar' drops the checkpoint's %d Clover block-diffusion tensors (%s of "
+                    "%d GDN layers): AR mode is the clean stream only", source, n, _names_text(naming), layers)
 
 
-def log_write(cfg: ModelConfig, hf_has_clover: bool, out: str) -> None:
-    """The one line a write gets when the format and `cfg.mode` disagree about the Clover tensors."""
-    n, layers = _counts(cfg)
+def log_write(cfg: ModelConfig, hf_has_clover: bool, out: str, naming: str = SPLIT) -> None:
+    """The one line a write gets when the format and `cfg.mode` disagree about the Clover tensors
+    (``naming``: the export's, when it writes them)."""
+    n, layers = _counts(cfg, naming)
     if not layers:
         return
     if cfg.mode == "ar" and hf_has_clover:
-        logger.info("%s: the model is in AR mode; the clover export writes its %d Clover tensors (%d GDN "
-                    "layers) at their init values: %s", out, n, layers, _init_text(cfg))
+        logger.info("%s: the model is in AR mode; the clover export writes its %d Clover tensors (%s of %d "
+                    "GDN layers) at their init values: %s", out, n, _names_text(naming), layers, _init_text(cfg))
     elif cfg.mode == "block" and not hf_has_clover:
-        logger.info("%s: the qwen format drops the model's %d Clover block-diffusion tensors (%s, %s of "
-                    "%d GDN layers)", out, n, SCALARS, CONV_RIGHT, layers)
+        logger.info("%s: the qwen format drops the model's Clover block-diffusion parameters of %d GDN layers",
+                    out, layers)

@@ -29,13 +29,14 @@ HF tensor                                              HF shape                 
 ``L mlp.experts.{e}.down_proj.weight`` (per expert)    [D, I]                      moe.wo[e]
 ``L mlp.shared_expert.{gate,up,down}_proj.weight``     [out, in]                   moe.shared_*_proj.kernel
 ``L mlp.shared_expert_gate.weight``                    [1, D]                      moe.shared_gate.kernel [D, 1]
-``L linear_attn.bd_gdn_softmax_scalars`` (Clover)      [nv, 3]                     gdn.bd_gdn_softmax_scalars
-``L linear_attn.bd_gdn_conv_right_weight`` (Clover)    [C, K-1]                    conv_{q,k,v}.right [K-1, part]
+``L linear_attn.<Clover scalars>`` (block mode)        [nv] x3 / [nv, 3]           gdn.bd_gdn_softmax_scalars [nv, 3]
+``L linear_attn.<Clover right conv>`` (block mode)     [C, K-1]                    conv_{q,k,v}.right [K-1, part]
 =====================================================  ==========================  =====================
 
 The Clover rows exist on the HF side when `HFLayout.clover` (detected from the names on read; the
 export format on write) and on ours when ``cfg.mode == "block"``; when only one side has them they
-are dropped or filled with their init values (`hf_clover.py`, which also accepts the other shapes).
+are dropped or filled with their init values (`hf_clover.py`: their names in the two public
+namings, ``split`` and ``packed``, and the other shapes it accepts).
 
 Streaming: `hf_to_layer` / `hf_to_globals` also take a `TensorSource` (a `SafetensorsIndex`)
 instead of a dict, and then read each HF tensor in row blocks straight into C-contiguous outputs,
@@ -98,14 +99,17 @@ def _clover_to_ours(
 ) -> list[np.ndarray]:
     """Our leaves of a Clover rule (``[]`` if the model has none: the HF tensor is only checked)."""
     if rule.hf:
-        key = rule.hf[0]
-        hc.check_shape(key, shape_of(key), rule.accepted_hf_shapes(), source)
+        for key in rule.hf:
+            hc.check_shape(key, shape_of(key), rule.accepted_hf_shapes(), source)
         if not rule.ours:
             return []
-        arr = np.asarray(get(key))
+        arrs = [np.asarray(get(key)) for key in rule.hf]
+        nv = rule.our_shapes[0][0]
+        if rule.kind == "bd_scalars" and len(arrs) > 1:
+            return [hc.split_scalars_to_ours(rule.hf, arrs, nv, source)]
         if rule.kind == "bd_scalars":
-            return [hc.scalars_to_ours(key, arr, rule.our_shapes[0][0], rule.init, source)]
-        return hc.right_to_ours(key, arr, rule.our_shapes, source)
+            return [hc.scalars_to_ours(rule.hf[0], arrs[0], nv, rule.init, source)]
+        return hc.right_to_ours(rule.hf[0], arrs[0], rule.our_shapes, source)
     if rule.kind == "bd_scalars":  # not in the checkpoint: init values
         return [hc.init_scalars(rule.our_shapes[0][0], rule.init)]
     return hc.init_right(rule.our_shapes, np.dtype(dtype_of(rule.like)))
@@ -330,7 +334,8 @@ def _hf_blocks(
             return []  # the format has no such tensor: dropped
         if k == "bd_scalars":
             arr = arrays[0] if rule.ours else hc.init_scalars(rule.our_shapes[0][0], rule.init)
-            return [(rule.hf[0], row_blocks(arr, max_bytes))]
+            parts = [arr] if len(rule.hf) == 1 else hc.scalars_to_split(np.asarray(arr))
+            return [(key, row_blocks(a, max_bytes)) for key, a in zip(rule.hf, parts)]
         if rule.ours:
             _same_dtype(rule.ours, arrays)
             return [(rule.hf[0], chain.from_iterable(row_blocks(a.T, max_bytes) for a in arrays))]

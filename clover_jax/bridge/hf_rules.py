@@ -34,12 +34,15 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class HFLayout:
-    """How a checkpoint names its text tensors: the key prefix, the routed-expert layout, and whether
-    its GDN layers carry the Clover block-diffusion tensors."""
+    """How a checkpoint names its text tensors: the key prefix, the routed-expert layout, whether
+    its GDN layers carry the Clover block-diffusion tensors, and in which of the two namings
+    (`hf_clover`: ``split``, what llama.cpp's Clover converter reads and our default export writes,
+    or ``packed``)."""
 
     prefix: str = PLAIN_PREFIX
     expert_layout: str = PER_EXPERT
     clover: bool = False
+    clover_naming: str = hc.SPLIT
 
     def __post_init__(self) -> None:
         if self.prefix not in TEXT_PREFIXES:
@@ -48,6 +51,7 @@ class HFLayout:
             raise HFMappingError(
                 f"unknown expert layout {self.expert_layout!r} (supported: {EXPERT_LAYOUTS})"
             )
+        hc.scalar_names(self.clover_naming)  # fails naming an unknown naming
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,7 +61,13 @@ class HFLayout:
 _TEXT_MODULES = ("layers", "embed_tokens", "norm", "rotary_emb")
 _FUSED_RE = re.compile(r"layers\.\d+\.mlp\.experts\.gate_up_proj$")
 _PER_EXPERT_RE = re.compile(r"layers\.\d+\.mlp\.experts\.\d+\.")
-_CLOVER_RE = re.compile(rf"layers\.\d+\.linear_attn\.({hc.SCALARS}|{hc.CONV_RIGHT})$")
+_CLOVER_RES = {naming: re.compile(r"layers\.\d+\.linear_attn\.(%s)$" % "|".join(
+    hc.scalar_names(naming) + (hc.right_name(naming),))) for naming in hc.NAMINGS}
+
+
+def _clover_name(key: str) -> str | None:
+    """The Clover naming a tensor name belongs to, None for any other tensor."""
+    return next((n for n, r in _CLOVER_RES.items() if r.search(key)), None)
 
 
 def _skip_group(key: str, prefix: str) -> str | None:
@@ -81,7 +91,8 @@ def detect_layout(keys: Iterable[str], *, source: str = "checkpoint") -> tuple[H
     Returns ``(layout, text_keys)``: ``text_keys`` are the names left after skipping ``mtp.*`` and
     the non-text siblings (``model.visual.*``); each skipped group gets one log line with its count.
     ``layout.clover`` is true if any GDN layer has a Clover tensor (`check_tensor_names` then wants
-    both in every GDN layer).
+    all of its naming in every GDN layer); a checkpoint with tensors of both namings fails, naming one
+    of each.
     """
     keys = list(keys)
     if any(k.startswith(HUB_PREFIX) for k in keys):
@@ -116,8 +127,16 @@ def detect_layout(keys: Iterable[str], *, source: str = "checkpoint") -> tuple[H
             f"{source}: no routed-expert tensors found (expected {prefix}layers.N.mlp.experts.gate_up_proj "
             f"or {prefix}layers.N.mlp.experts.E.gate_proj.weight)"
         )
-    clover = any(_CLOVER_RE.match(k) for k in body)
-    return HFLayout(prefix, FUSED if fused else PER_EXPERT, clover), text_keys
+    found: dict[str, str] = {}
+    for k in body:
+        naming = _clover_name(k)
+        if naming is not None:
+            found.setdefault(naming, prefix + k)
+    if len(found) > 1:
+        raise HFMappingError(f"{source}: Clover block-diffusion tensors in both namings: "
+                             f"{found[hc.SPLIT]!r} (split) and {found[hc.PACKED]!r} (packed); keep one")
+    naming = next(iter(found), hc.SPLIT)
+    return HFLayout(prefix, FUSED if fused else PER_EXPERT, bool(found), naming), text_keys
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,7 +148,8 @@ def detect_layout(keys: Iterable[str], *, source: str = "checkpoint") -> tuple[H
 class _Rule:
     """``kind`` says how ``hf`` keys (HF shapes derived from ours) map to ``ours`` flat keys.
 
-    The Clover kinds (``bd_scalars``, ``bd_right``) may have an empty side: ``hf == ()`` (not in the
+    The Clover kinds (``bd_scalars``: one packed HF tensor or the three split ones; ``bd_right``)
+    may have an empty side: ``hf == ()`` (not in the
     checkpoint: read fills ``init`` / zeros, write drops) or ``ours == ()`` (not in the model: read
     drops, write fills). ``our_shapes`` is always given; a filled side takes the dtype of ``like``
     (the conv1d weight / our conv kernel) or, for the scalars, fp32."""
@@ -144,7 +164,7 @@ class _Rule:
     def hf_shapes(self) -> list[Shape]:
         s = self.our_shapes
         if self.kind in ("bd_scalars", "bd_right"):
-            return [self.accepted_hf_shapes()[0]] if self.hf else []
+            return [self.accepted_hf_shapes()[0]] * len(self.hf)
         if self.kind == "copy":
             return [s[0]]
         if self.kind == "T":
@@ -165,9 +185,10 @@ class _Rule:
         raise AssertionError(self.kind)
 
     def accepted_hf_shapes(self) -> list[Shape]:
-        """Shapes a reader accepts for this rule's (single) HF tensor, canonical first."""
+        """Shapes a reader accepts for each of this rule's HF tensors (a rule of one HF tensor, or the
+        split Clover scalars), canonical first."""
         if self.kind == "bd_scalars":
-            return hc.hf_scalar_shapes(self.our_shapes[0][0])
+            return hc.hf_scalar_shapes(self.our_shapes[0][0], hc.PACKED if len(self.hf) == 1 else hc.SPLIT)
         if self.kind == "bd_right":
             return hc.hf_right_shapes(self.our_shapes)
         return self.hf_shapes()[:1]
@@ -245,16 +266,17 @@ def layer_rules(cfg: ModelConfig, layout: HFLayout, i: int) -> list[_Rule]:
 
 
 def _clover_rules(cfg: ModelConfig, layout: HFLayout, g: str) -> list[_Rule]:
-    """The two Clover rules of a GDN layer (``g`` = its ``linear_attn.`` prefix); none if neither
-    the checkpoint side (``layout.clover``) nor ours (block mode) has the tensors."""
+    """The two Clover rules of a GDN layer (``g`` = its ``linear_attn.`` prefix; HF names in
+    ``layout.clover_naming``); none if neither the checkpoint side (``layout.clover``) nor ours
+    (block mode) has the tensors."""
     ours, hf = cfg.mode == "block", layout.clover
     if not (ours or hf):
         return []
     sc_shape, right_shapes = hc.our_shapes(cfg)
     return [
-        _Rule("bd_scalars", (g + hc.SCALARS,) if hf else (), (hc.OUR_SCALARS,) if ours else (), (sc_shape,),
+        _Rule("bd_scalars", tuple(g + n for n in hc.scalar_names(layout.clover_naming)) if hf else (), (hc.OUR_SCALARS,) if ours else (), (sc_shape,),
               init=cfg.bd_scalar_init),
-        _Rule("bd_right", (g + hc.CONV_RIGHT,) if hf else (), hc.OUR_RIGHT if ours else (), right_shapes,
+        _Rule("bd_right", (g + hc.right_name(layout.clover_naming),) if hf else (), hc.OUR_RIGHT if ours else (), right_shapes,
               like="gdn.conv_q.kernel" if hf else g + "conv1d.weight"),
     ]
 
@@ -286,7 +308,7 @@ def check_hf_shapes(
         rules += layer_rules(cfg, layout, i)
     for r in rules:
         for key, shape in zip(r.hf, r.hf_shapes()):
-            accepted = r.accepted_hf_shapes() if len(r.hf) == 1 else [shape]
+            accepted = r.accepted_hf_shapes() if len(r.hf) == 1 or r.kind == "bd_scalars" else [shape]
             got = tuple(shape_of(key))
             if got not in accepted:
                 raise hc.shape_error(key, got, accepted, str(file_of(key)) if file_of else source)
@@ -302,8 +324,8 @@ def check_tensor_names(
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         why = ""
-        if layout.clover and missing[0].endswith((hc.SCALARS, hc.CONV_RIGHT)):
-            has = next(k for k in sorted(present) if _CLOVER_RE.search(k))
+        if layout.clover and _clover_name(missing[0]):
+            has = next(k for k in sorted(present) if _clover_name(k))
             why = f": the checkpoint has Clover block-diffusion tensors in other GDN layers (e.g. {has!r})"
         raise HFMappingError(f"{source}: missing tensor {missing[0]!r}{more}{why}")
     extra = sorted(present - set(expected))

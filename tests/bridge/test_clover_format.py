@@ -28,8 +28,9 @@ from clover_jax.model.clover_model import model_to_params
 from clover_jax.model.params import flatten, layer_param_shapes, unflatten, unstack_layers
 from clover_jax.bridge.safetensors_io import CheckpointError
 from tests.hf_fixtures import (
-    CLOVER_CONV_RIGHT, CLOVER_SCALARS, assert_tensors_identical, clover_config, clover_tensors, randomise_,
-    read_all_tensors, write_clover_hub, write_save_pretrained, write_small_tokenizer,
+    CLOVER_CONV_RIGHT, CLOVER_SCALARS, SPLIT_CONV_RIGHT, SPLIT_SCALARS, assert_tensors_identical, clover_config,
+    clover_tensors, randomise_, read_all_tensors, split_clover_tensors, write_clover_hub, write_save_pretrained,
+    write_small_tokenizer,
 )
 
 TINY = PRESETS["tiny"]
@@ -44,6 +45,7 @@ CLOVER_FIELDS = dict(block_size=[4, 8], mask_token_id=None, logits_shift=False, 
                      bd_beta_init=-0.5, bd_gamma_init=0.75)
 SKIPPED = ("mtp.", "model.visual.")
 BD_SUFFIXES = (CLOVER_SCALARS, CLOVER_CONV_RIGHT)
+SPLIT_SUFFIXES = SPLIT_SCALARS + (SPLIT_CONV_RIGHT,)
 RUNTIME = ("dtype", "param_dtype", "gdn_chunk_size", "gdn_backend", "moe_impl", "scan_layers")
 
 
@@ -124,7 +126,8 @@ def test_config_json_clover_round_trip():
     cfg = TINY.replace(mode="block", block_size=(4, 8, 16), mask_token_id=200, logits_shift=False,
                        bd_alpha_init=2.5, bd_beta_init=-0.5, bd_gamma_init=0.75)
     d = json.loads(json.dumps(cfg.to_hf_dict("clover_moe")))
-    assert d["model_type"] == "clover_moe" and d["architectures"] == ["CloverMoeForCausalLM"]
+    assert d["model_type"] == "clover_moe" and d["architectures"] == ["CloverMoeModelLM"]
+    assert d["num_shared_experts"] == 1  # what llama.cpp's Clover converter reads
     assert d["block_size"] == [4, 8, 16] and d["mask_token_id"] == 200 and d["logits_shift"] is False
     assert (d["bd_alpha_init"], d["bd_beta_init"], d["bd_gamma_init"]) == (2.5, -0.5, 0.75)
     assert "mode" not in d
@@ -153,6 +156,9 @@ def test_config_modes_from_model_type():
     assert ModelConfig.from_hf_dict(bare, mode="ar").mode == "ar"
     with pytest.raises(ValueError, match=r"x\.json: block_size"):
         ModelConfig.from_hf_dict({**bare, "block_size": [4, 0]}, source="x.json")
+    assert ModelConfig.from_hf_dict({**bare, "num_shared_experts": 1}) == c
+    with pytest.raises(ValueError, match=r"x\.json: num_shared_experts=2 unsupported"):
+        ModelConfig.from_hf_dict({**bare, "num_shared_experts": 2}, source="x.json")
 
 
 # ------------------------------------------------------------------------------- Clover round trips
@@ -170,10 +176,11 @@ def test_load_hf_clover_maps_documented_layout_and_save_hf_is_byte_identical(clo
         for part, want in expected_right(f32(bd[p + CLOVER_CONV_RIGHT])).items():
             np.testing.assert_array_equal(leaves[f"gdn.conv_{part}.right"], want)
 
-    out = save_hf(model, cfg, tmp_path / "out", format="clover", prefix=HUB, source_dir=clover_dir)
+    out = save_hf(model, cfg, tmp_path / "out", format="clover", prefix=HUB, source_dir=clover_dir,
+                  clover_naming="packed")
     assert_tensors_identical(text_tensors(clover_dir), text_tensors(out))  # bf16 + fp32 scalars kept
     hf = json.loads((out / "config.json").read_text())
-    assert hf["model_type"] == "clover_moe" and hf["architectures"] == ["CloverMoeForCausalLM"]
+    assert hf["model_type"] == "clover_moe" and hf["architectures"] == ["CloverMoeModelLM"]
     assert hf["block_size"] == [4, 8] and hf["logits_shift"] is False and hf["bd_alpha_init"] == 2.5
     assert hf["mask_token_id"] == 200  # unset in the source: the id <|mask|> got (the 200-word tokenizer)
     assert (out / "generation_config.json").is_file()
@@ -193,7 +200,8 @@ def test_convert_export_clover_through_orbax_is_byte_identical(clover_dir, clove
     assert "gdn.bd_gdn_softmax_scalars" in info["manifest"]["layers"][GDN_LAYERS[0]]
     for argv_tail, name in ((["--format", "clover"], "explicit"), ([], "default")):
         out = tmp_path / name
-        assert launch.main(["export", "--checkpoint", str(clover_ckpt), "--out", str(out), *argv_tail]) == 0
+        assert launch.main(["export", "--checkpoint", str(clover_ckpt), "--out", str(out), "--clover-naming",
+                            "packed", *argv_tail]) == 0
         assert_tensors_identical(text_tensors(clover_dir), text_tensors(out))
         hf = json.loads((out / "config.json").read_text())
         assert hf["model_type"] == "clover_moe" and hf["mask_token_id"] == 200, name
@@ -201,7 +209,8 @@ def test_convert_export_clover_through_orbax_is_byte_identical(clover_dir, clove
     # and convert of the export (mask id now set) -> export again: still identical
     ck2 = tmp_path / "ck2"
     assert launch.main(["convert", "--hf", str(tmp_path / "explicit"), "--out", str(ck2)]) == 0
-    assert launch.main(["export", "--checkpoint", str(ck2), "--out", str(tmp_path / "again")]) == 0
+    assert launch.main(["export", "--checkpoint", str(ck2), "--out", str(tmp_path / "again"), "--clover-naming",
+                        "packed"]) == 0
     assert_tensors_identical(text_tensors(clover_dir), text_tensors(tmp_path / "again"))
 
 
@@ -209,7 +218,7 @@ def test_qwen_export_drops_clover_tensors_and_loads_in_transformers(clover_dir, 
     out = tmp_path / "qwen"
     with caplog.at_level(logging.INFO):
         assert launch.main(["export", "--checkpoint", str(clover_ckpt), "--out", str(out), "--format", "qwen"]) == 0
-    assert len(records(caplog, "qwen format drops the model's 4 Clover")) == 1
+    assert len(records(caplog, "qwen format drops the model's Clover block-diffusion parameters of 2 GDN")) == 1
     src = {k: v for k, v in text_tensors(clover_dir).items() if not k.endswith(BD_SUFFIXES)}
     assert_tensors_identical(src, text_tensors(out))
     hf = json.loads((out / "config.json").read_text())
@@ -231,7 +240,8 @@ def test_qwen_checkpoint_in_block_mode_fills_init_values(qwen_dir, tmp_path, cap
         cfg, model = load_hf(qwen_dir, mode="block", bd_alpha_init=3.0, bd_gamma_init=0.5)
     lines = records(caplog, "no Clover block-diffusion tensors")
     assert len(lines) == 1, lines
-    assert "fills 4 (2 GDN layers)" in lines[0] and "(alpha, beta, gamma) = (3, 0, 0.5)" in lines[0]
+    assert "fills the Clover parameters of 2 GDN layers" in lines[0]
+    assert "(alpha, beta, gamma) = (3, 0, 0.5)" in lines[0]
     assert cfg.mode == "block"
     ar_cfg, ar_model = load_hf(qwen_dir)
     assert ar_cfg.mode == "ar"
@@ -264,13 +274,14 @@ def test_ar_model_exported_as_clover_writes_init_values(qwen_dir, tmp_path, capl
     assert cfg.mode == "ar"
     with caplog.at_level(logging.INFO):
         out = save_hf(model, cfg, tmp_path / "c", format="clover")
-    assert len(records(caplog, "AR mode; the clover export writes its 4 Clover tensors")) == 1
+    assert len(records(caplog, "AR mode; the clover export writes its 8 Clover tensors")) == 1  # split: 4 a layer
     t = read_all_tensors(out)
     for i in GDN_LAYERS:
-        s = t[f"model.layers.{i}.linear_attn.{CLOVER_SCALARS}"]
-        assert s.dtype == np.float32
-        np.testing.assert_array_equal(s, np.tile([DK ** 0.5, 0.25, 1.0], (NV, 1)))
-        r = t[f"model.layers.{i}.linear_attn.{CLOVER_CONV_RIGHT}"]
+        for name, want in zip(SPLIT_SCALARS, (DK ** 0.5, 0.25, 1.0)):
+            s = t[f"model.layers.{i}.linear_attn.{name}"]
+            assert s.dtype == np.float32 and s.shape == (NV,)
+            np.testing.assert_array_equal(s, np.full(NV, want, np.float32))
+        r = t[f"model.layers.{i}.linear_attn.{SPLIT_CONV_RIGHT}"]
         assert r.shape == (C, K1) and r.dtype == ml_dtypes.bfloat16 and not r.astype(np.float32).any()
     assert json.loads((out / "config.json").read_text())["model_type"] == "clover_moe"
     assert load_hf(out)[0].mode == "block"
@@ -322,7 +333,7 @@ def test_partial_scalars_and_c1k_right_conv_map_and_log(torch_model, tmp_path, c
         # the in-memory dict path maps the same
         hf = {k: v for k, v in read_all_tensors(d).items() if k.startswith(f"{HUB}layers.{i}.")}
         cfg = ModelConfig.from_hf_file(d)
-        ours = flatten(hk.hf_to_layer(cfg, hk.HFLayout(HUB, hk.FUSED, clover=True), i, hf))
+        ours = flatten(hk.hf_to_layer(cfg, hk.HFLayout(HUB, hk.FUSED, clover=True, clover_naming="packed"), i, hf))
         for k in ("gdn.bd_gdn_softmax_scalars", "gdn.conv_q.right", "gdn.conv_v.right"):
             np.testing.assert_array_equal(ours[k], leaves[k], err_msg=k)
 
@@ -345,7 +356,7 @@ def test_wrong_clover_shapes_fail_naming_the_tensor(torch_model, bd, tmp_path, n
     with pytest.raises(hk.HFMappingError, match=msg):  # the dict path too
         cfg = ModelConfig.from_hf_file(d)
         hf = {k: v for k, v in read_all_tensors(d).items() if k.startswith(f"{HUB}layers.{GDN_LAYERS[-1]}.")}
-        hk.hf_to_layer(cfg, hk.HFLayout(HUB, hk.FUSED, clover=True), GDN_LAYERS[-1], hf)
+        hk.hf_to_layer(cfg, hk.HFLayout(HUB, hk.FUSED, clover=True, clover_naming="packed"), GDN_LAYERS[-1], hf)
 
 
 def test_clover_tensors_missing_in_one_layer_is_an_error(torch_model, bd, tmp_path):
@@ -365,7 +376,7 @@ def test_clover_tensors_missing_in_one_layer_is_an_error(torch_model, bd, tmp_pa
 @pytest.mark.parametrize("clover", [False, True])
 def test_specs_and_row_blocks_cover_the_clover_tensors(mode, clover):
     cfg = TINY.replace(mode=mode)
-    layout = hk.HFLayout(hk.PLAIN_PREFIX, hk.FUSED, clover=clover)
+    layout = hk.HFLayout(hk.PLAIN_PREFIX, hk.FUSED, clover=clover, clover_naming="packed")
     rng = np.random.default_rng(0)
     i = GDN_LAYERS[0]
     # bf16 weights, fp32 A_log / scalars (as exported)
@@ -396,6 +407,115 @@ def test_specs_and_row_blocks_cover_the_clover_tensors(mode, clover):
         back = flatten(hk.hf_to_layer(cfg, layout, i, dict(whole)))
         for k in layer:
             assert back[k].tobytes() == np.ascontiguousarray(layer[k]).tobytes(), k
+
+
+# ------------------------------------------------------------- the split naming (llama.cpp's converter)
+
+
+@pytest.fixture(scope="module")
+def split_dir(torch_model, bd, tmp_path_factory):
+    """The clover_dir's weights with the Clover tensors in the split naming (written by hand from the
+    packed columns alpha, beta, gamma; the right taps renamed)."""
+    d = tmp_path_factory.mktemp("split") / "src"
+    write_clover_hub(torch_model, d, split_clover_tensors(bd), clover_config(torch_model.config, **CLOVER_FIELDS))
+    assert write_small_tokenizer(d) == 200
+    return d
+
+
+def test_split_naming_loads_as_the_packed_one_and_gives_the_same_noisy_outputs(clover_dir, split_dir, bd):
+    _, packed = load_hf(clover_dir)
+    cfg, split = load_hf(split_dir)
+    a, b = flatten(model_to_params(packed)), flatten(model_to_params(split))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes(), k
+    for i in GDN_LAYERS:  # split column j -> scalars[:, j], written out per head
+        p = f"{HUB}layers.{i}.linear_attn."
+        got = gdn_leaves(split, i)["gdn.bd_gdn_softmax_scalars"]
+        for j, name in enumerate(SPLIT_SCALARS):
+            want = split_clover_tensors({p + CLOVER_SCALARS: bd[p + CLOVER_SCALARS]})[p + name]
+            for h in range(NV):
+                assert got[h, j] == float(want[h]), (name, h)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 200, (2, 16)).astype(np.int32)
+    noisy = np.where(rng.random((2, 16)) < 0.5, 199, ids).astype(np.int32)
+    lp = packed.block_logits(ids, noisy, block_size=4)
+    ls = split.block_logits(ids, noisy, block_size=4)
+    assert np.asarray(lp).tobytes() == np.asarray(ls).tobytes()
+
+
+def test_default_export_writes_the_split_naming_llama_cpp_filters(clover_dir, clover_ckpt, bd, tmp_path):
+    out, qwen = tmp_path / "split", tmp_path / "qwen"
+    assert launch.main(["export", "--checkpoint", str(clover_ckpt), "--out", str(out)]) == 0
+    assert launch.main(["export", "--checkpoint", str(clover_ckpt), "--out", str(qwen), "--format", "qwen"]) == 0
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["architectures"] == ["CloverMoeModelLM"] and hf["model_type"] == "clover_moe"
+    assert hf["num_shared_experts"] == 1 and hf["block_size"] == [4, 8] and hf["mask_token_id"] == 200
+    got = text_tensors(out)
+    for i in range(TINY.num_hidden_layers):
+        p = f"{HUB}layers.{i}.linear_attn."
+        clover_keys = {k[len(p):] for k in got if k.startswith(p) and k.endswith(SPLIT_SUFFIXES + BD_SUFFIXES)}
+        assert clover_keys == (set(SPLIT_SUFFIXES) if i in GDN_LAYERS else set()), (i, clover_keys)
+    # llama.cpp's converter drops exactly the names ending in the four split suffixes: what is left is
+    # the plain text model (the qwen export, tensor for tensor)
+    kept = {k: v for k, v in got.items() if not k.endswith(tuple("." + x for x in SPLIT_SUFFIXES))}
+    assert_tensors_identical(text_tensors(qwen), kept)
+    # the values: the packed source's, column by column
+    for k, t in split_clover_tensors(bd).items():
+        want = t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+        np.testing.assert_array_equal(np.asarray(got[k], np.float32), want.astype(np.float32), err_msg=k)
+        assert got[k].shape == tuple(t.shape) and got[k].dtype == (np.float32 if t.dtype == torch.float32 else BF16), k
+
+
+def test_split_round_trip_changes_no_tensor(split_dir, tmp_path):
+    ck = tmp_path / "ck"
+    assert launch.main(["convert", "--hf", str(split_dir), "--out", str(ck)]) == 0
+    assert pc.read_params_info(ck)[1]["source"]["clover_naming"] == "split"
+    assert launch.main(["export", "--checkpoint", str(ck), "--out", str(tmp_path / "out")]) == 0
+    assert_tensors_identical(text_tensors(split_dir), text_tensors(tmp_path / "out"))
+
+
+def test_split_scalars_as_n_by_1_or_one_value_for_all_heads(torch_model, bd, tmp_path, caplog):
+    g = GDN_LAYERS[0]
+    ref = flatten(convert.read_hf(_variant_dir(torch_model, tmp_path, split_clover_tensors(bd), "v"))[1]["layers"][g])
+    tall = split_clover_tensors(bd, scalar_shape="V1")
+    d = _variant_dir(torch_model, tmp_path, tall, "v1")
+    assert flatten(convert.read_hf(d)[1]["layers"][g])["gdn.bd_gdn_softmax_scalars"].tobytes() == \
+        ref["gdn.bd_gdn_softmax_scalars"].tobytes()
+    one = dict(split_clover_tensors(bd))
+    i = GDN_LAYERS[0]
+    key = f"{HUB}layers.{i}.linear_attn.{SPLIT_SCALARS[1]}"
+    one[key] = torch.tensor(-0.25, dtype=torch.float32)  # history_bias as one value, shape []
+    d = _variant_dir(torch_model, tmp_path, one, "scalar")
+    with caplog.at_level(logging.INFO):
+        leaves = flatten(convert.read_hf(d)[1]["layers"][i])
+    assert len(records(caplog, f"{key!r} is one value for all {NV} heads; broadcast")) == 1
+    sc = leaves["gdn.bd_gdn_softmax_scalars"]
+    np.testing.assert_array_equal(sc[:, 1], np.full(NV, -0.25, np.float32))
+    for j in (0, 2):
+        want = split_clover_tensors(bd)[f"{HUB}layers.{i}.linear_attn.{SPLIT_SCALARS[j]}"].numpy()
+        np.testing.assert_array_equal(sc[:, j], want)
+
+
+@pytest.mark.parametrize("name,shape", [(SPLIT_SCALARS[0], (NV, 2)), (SPLIT_SCALARS[2], (NV + 1,)),
+                                        (SPLIT_CONV_RIGHT, (C, K1 + 1))], ids=lambda x: str(x))
+def test_wrong_split_shapes_fail_naming_the_tensor(torch_model, bd, tmp_path, name, shape):
+    split = split_clover_tensors(bd)
+    key = f"{HUB}layers.{GDN_LAYERS[-1]}.linear_attn.{name}"
+    split[key] = torch.zeros(shape, dtype=split[key].dtype)
+    d = _variant_dir(torch_model, tmp_path, split, "bad")
+    accepted = f"({NV},), ({NV}, 1), ()" if name != SPLIT_CONV_RIGHT else f"({C}, {K1}), ({C}, 1, {K1})"
+    msg = rf"'{key}' has shape {tuple(shape)!s}.*accepted shapes: {accepted}".replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(hk.HFMappingError, match=msg):
+        load_hf(d)
+
+
+def test_both_namings_in_one_checkpoint_is_an_error(torch_model, bd, tmp_path):
+    mixed = {**bd, **{k: v for k, v in split_clover_tensors(bd).items() if f"layers.{GDN_LAYERS[-1]}." in k}}
+    d = _variant_dir(torch_model, tmp_path, mixed, "mixed")
+    with pytest.raises(hk.HFMappingError, match=r"Clover block-diffusion tensors in both namings: .*\(split\) and "
+                                                r".*bd_gdn_.*\(packed\)"):
+        load_hf(d)
 
 
 # ------------------------------------------------------------------------------------- tokenizer
