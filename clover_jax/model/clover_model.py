@@ -266,6 +266,8 @@ class CloverModel(nnx.Module):
             "stream": "two_stream",
             "attn": attn_ctx,
             "gdn": {"segment_ids": seg, "block_size": bk, "empty_segment": NO_SEGMENT, "context_layout": layout},
+            # the block coreset's blocks: a zigzag shard holds two runs of the row, a contiguous one one
+            "moe": {"block_size": bk, "pieces": n * (2 if layout == "zigzag" else 1)},
             "valid": join_streams(valid, valid),
         }
         ids = join_streams(input_ids_BT, noisy_ids_BT)  # [B, 2T]: a context shard holds both streams' pieces

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,14 +41,21 @@ from clover_jax.parallel import remat, sharding
 from clover_jax.config import ModelConfig
 from clover_jax.model.moe_blocked import blocked_ffn
 from clover_jax.model.moe_capacity import capacity_ffn, experts_capacity
+from clover_jax.model import moe_coreset
 from clover_jax.model.moe_platform import resolve_impl, tgmm_tiling
 from clover_jax.model.nn import Dense, dtype_of, make_param, normal
+from pallas_kernels.stream_layout import join_streams, split_streams
 
 
-def route(logits_TE: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """-> (probs_TE fp32 softmax, weights_TK renormalised top-k, experts_TK int32)."""
+def route(logits_TE: jax.Array, k: int, allowed: Callable[[jax.Array], jax.Array] | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> (probs_TE fp32 softmax, weights_TK renormalised top-k, experts_TK int32); any leading token
+    dims. `allowed(probs)` (bool, probs' shape) restricts each token's top-k to its true experts
+    (the block coreset, `moe_coreset`); probs stay the unrestricted softmax."""
     probs = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
+    # -1 is below every probability: a disallowed expert is never picked while k experts are allowed
+    choose = probs if allowed is None else jnp.where(allowed(probs), probs, -1.0)
+    weights, experts = jax.lax.top_k(choose, k)
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return probs, weights, experts.astype(jnp.int32)
 
@@ -395,11 +403,34 @@ class MoE(nnx.Module):
         self.shared_down_proj = Dense(si, d, ("mlp", "embed"), **kw)
         self.shared_gate = Dense(d, 1, ("embed", None), **kw)
         self.top_k, self.impl, self.dtype = cfg.num_experts_per_tok, cfg.moe_impl, dt
+        self.coreset = cfg.moe_block_coreset
         self.dispatch = getattr(cfg, "moe_dispatch", "ragged_a2a")
+
+    def _allowed(self, ctx: dict[str, Any]) -> Callable[[jax.Array], jax.Array] | None:
+        """The block coreset of this forward's noisy tokens (`moe_coreset`), or None (free routing):
+        on with `moe_block_coreset` in the two-stream training forward (the noisy half, blocks of
+        `ctx["moe"]["block_size"]` in `ctx["moe"]["pieces"]` context runs) and in a block step (the
+        canvas is one block per row); the clean stream and AR forwards route freely."""
+        stream = ctx.get("stream", "ar")
+        if self.coreset is None or stream == "ar":
+            return None
+        c, valid = self.coreset, ctx["valid"]
+
+        def allowed(probs_BSE: jax.Array) -> jax.Array:
+            if stream == "block_step":
+                return moe_coreset.restrict(probs_BSE, valid, c, probs_BSE.shape[1])
+            bk, pieces = ctx["moe"]["block_size"], ctx["moe"]["pieces"]
+            _, noisy = split_streams(probs_BSE)
+            _, noisy_valid = split_streams(valid)
+            free = jnp.ones(noisy.shape, bool)
+            return join_streams(free, moe_coreset.restrict(noisy, noisy_valid, c, bk, pieces))
+
+        return allowed
 
     def __call__(self, x_BTD: jax.Array, ctx: dict[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [B, T, D] -> ([B, T, D], aux {"lb_loss": scalar, "expert_counts": [E]}).
-        `ctx["valid"]` [B, T] excludes pad tokens from the load statistics."""
+        `ctx["valid"]` [B, T] excludes pad tokens from the load statistics (and from a block's
+        coreset mass); `ctx["stream"]` and `ctx["moe"]` say where the block coreset applies."""
         b, t, d = x_BTD.shape
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
         mesh_ctx = sharding.current()
@@ -409,13 +440,15 @@ class MoE(nnx.Module):
             # all-gather every row's whole sequence over `context` (bf16 and fp32 [rows, 2T, D]
             # per layer in the agent_long plans)
             x = x_BTD.astype(self.dtype)
-            probs, weights, experts = route(self.router(x), self.top_k)
+            probs, weights, experts = route(self.router(x), self.top_k, self._allowed(ctx))
             routed = experts_parallel(x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo), ctx=mesh_ctx,
                                       impl=self.impl, dispatch=self.dispatch)
             valid = ctx["valid"]
         else:
-            x = x_BTD.reshape(b * t, d).astype(self.dtype)
-            probs, weights, experts = route(self.router(x), self.top_k)
+            x = x_BTD.astype(self.dtype)
+            # routed per row ([B, T]: a block coreset needs the blocks), then flat: [B*T] rows
+            probs, weights, experts = route(self.router(x), self.top_k, self._allowed(ctx))
+            x, probs, weights, experts = (a.reshape((b * t,) + a.shape[2:]) for a in (x, probs, weights, experts))
             impl = resolve_impl(self.impl, rows=experts.size, experts=self.wi_gate[...].shape[0])
             routed = EXPERT_IMPLS[impl](x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo))
             valid = ctx["valid"].reshape(-1)

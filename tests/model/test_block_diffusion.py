@@ -59,14 +59,14 @@ def noised(rng: np.random.Generator, ids: np.ndarray, seg: np.ndarray, p: float 
 
 
 @functools.lru_cache(maxsize=None)
-def _model(logits_shift: bool = True):
-    return randomised_block_model(0, logits_shift=logits_shift)
+def _model(logits_shift: bool = True, coreset: int | None = None):
+    return randomised_block_model(0, logits_shift=logits_shift, moe_block_coreset=coreset)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(logits_shift: bool, block: int):
+def _jitted(logits_shift: bool, block: int, coreset: int | None = None):
     """jit'ed training forward, block step and commit pass of the shared model for one block size."""
-    _, model = _model(logits_shift)
+    _, model = _model(logits_shift, coreset)
     train = jax.jit(lambda i, n, s: model.block_logits(i, n, block_size=block, segment_ids=s))
     step = jax.jit(lambda c, cache, s: model.block_step(c, cache, segment_ids=s))
     commit = jax.jit(lambda i, cache, s: model.extend(i, cache, segment_ids=s)[1])
@@ -81,14 +81,17 @@ LAYOUTS = {  # block size -> (row length, document lengths): one layout per bloc
 }
 
 
-@pytest.mark.parametrize("block,logits_shift", [(1, True), (4, True), (5, True), (32, True), (4, False)])
-def test_two_stream_equals_block_steps_on_caches(block, logits_shift):
+@pytest.mark.parametrize("block,logits_shift,coreset", [
+    (1, True, None), (4, True, None), (5, True, None), (32, True, None), (4, False, None),
+    (4, True, 3), (32, True, 2),  # block coreset routing (moe_coreset): 3 / 2 of the 8 experts per block
+])
+def test_two_stream_equals_block_steps_on_caches(block, logits_shift, coreset):
     """The central invariant: every block's noisy logits in the training forward equal the block-step
     logits of the same canvas against caches built by commit passes, for EVERY block of each row
     (the first, which has no history, included). fp32 criterion: max|diff| <= FP32_REL * max|ref|
     over the real (non-pad) positions. The readout both paths share (`block_readout_ref`) has its
     own float64 oracle: tests/kernels/test_gdn_block_reference.py."""
-    model, train, step, commit = _jitted(logits_shift, block)
+    model, train, step, commit = _jitted(logits_shift, block, coreset)
     t, layouts = LAYOUTS[block]
     rng = np.random.default_rng(block)
     rows = [packed_row(rng, t, block, lens) for lens in layouts]
