@@ -121,6 +121,10 @@ class DecodeConfig:
     length_bucket: int = 32  # prompt / buffer lengths round up to this: fewer recompiles
     batch_bucket: int = 1  # the batch is padded (with finished dummy rows) to a multiple of this
     fast_compile: bool = False  # XLA backend optimisations off: ~4x faster compiles, slower steps (CPU tests)
+    # a model with the block coreset (moe_block_coreset): "per_step" chooses each step's coresets from
+    # its canvas (what training does at every noise level); "first_step" keeps the block's first step's
+    # coresets for the rest of the block
+    coreset: Literal["per_step", "first_step"] = "per_step"
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -128,6 +132,8 @@ class DecodeConfig:
 
         if self.mode not in MODES:
             bad(f"mode: {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.coreset not in ("per_step", "first_step"):
+            bad(f"coreset: {self.coreset!r} is not one of per_step, first_step")
         if self.block_size is not None and self.block_size < 1:
             bad(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 <= self.threshold <= 1.0:
@@ -322,7 +328,9 @@ class Decoder:
         self.loops = Loops.compiled(self.graphdef, LoopSpec(
             mode=dcfg.mode, block=self.block, mask_id=-1 if self.mask_id is None else int(self.mask_id),
             sub_block=dcfg.sub_block_size, recompute=dcfg.recompute, history=self.history,
-            vocab=cfg.vocab_size, fast_compile=dcfg.fast_compile))
+            vocab=cfg.vocab_size, fast_compile=dcfg.fast_compile,
+            coreset_first_step=(dcfg.coreset == "first_step" and cfg.moe_block_coreset is not None
+                                and dcfg.mode != "ar" and not dcfg.recompute)))
         self._prefill, self._block_call = self.loops.prefill_jit, self.loops.block_jit
 
     # -- host side -------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class LoopSpec:
     history: bool
     vocab: int
     fast_compile: bool = False
+    coreset_first_step: bool = False  # DecodeConfig.coreset == "first_step" on a coreset model
 
 
 #: XLA options of `DecodeConfig.fast_compile`: the LLVM backend without its optimisation passes
@@ -120,9 +121,10 @@ class Loops:
         pen = repetition_penalty(last_BV, self._seen(tokens_BS, consts, upto), consts["repetition_penalty"])
         return self._choose(pen, key, consts)[0]
 
-    def _denoise_logits(self, model, carry: Carry, consts: Carry, canvas: jax.Array):
+    def _denoise_logits(self, model, carry: Carry, consts: Carry, canvas: jax.Array, core: Carry | None = None):
         """One block-mode forward of `canvas` [B, K] at slots [index, index + K) -> (logits [B,K,V],
-        history-unit stats of `block_step` or None)."""
+        `block_step`'s stats or None). `core` {"core": [G, p, B, C], "have": bool}: the block's
+        coresets once its first step has chosen them (`coreset_first_step`)."""
         idx = carry["index"]
         if self.spec.recompute:  # the training forward over the whole buffer (debug oracle)
             toks = self._put(carry["tokens"], canvas, idx)
@@ -130,6 +132,9 @@ class Loops:
                                       segment_ids=consts["segment_ids"])
             return lax.dynamic_slice_in_dim(full, idx, self.spec.block, axis=1), None
         kw = dict(positions=self._blk(consts["positions"], idx), segment_ids=self._blk(consts["segment_ids"], idx))
+        if core is not None:
+            return model.block_step(canvas, carry["cache"], return_stats=True, coreset=core["core"],
+                                    use_coreset=core["have"], **kw)
         if self.spec.history:
             logits, st = model.block_step(canvas, carry["cache"], return_stats=True, **kw)
             return logits, st
@@ -182,7 +187,7 @@ class Loops:
                 cur = first_index(elig) // sp.sub_block
                 elig = elig & ((pos_K // sp.sub_block) == cur[:, None])
             key, sub = jax.random.split(c["key"])
-            logits, hist = self._denoise_logits(model, carry, consts, c["canvas"])
+            logits, hist = self._denoise_logits(model, carry, consts, c["canvas"], c.get("core"))
             seen = base_seen | seen_tokens(c["canvas"], c["canvas"] != mask, sp.vocab)  # penalty first
             logits = repetition_penalty(logits, seen[:, None], consts["repetition_penalty"])
             tok, conf = self._choose(logits, sub, consts)
@@ -191,7 +196,9 @@ class Loops:
             out = dict(c, canvas=jnp.where(commit, tok, c["canvas"]),
                        cstep=jnp.where(commit, steps[:, None], c["cstep"]), steps=steps,
                        nfe=c["nfe"] + active, forwards=c["forwards"] + 1, i=c["i"] + 1, key=key)
-            if hist is not None:
+            if sp.coreset_first_step:  # the first step's coresets stay for the rest of the block
+                out["core"] = {"core": hist["coreset"], "have": jnp.ones((), bool)}
+            if sp.history:
                 out["hist"] = accumulate_history(c["hist"], hist)
             return out
 
@@ -199,6 +206,10 @@ class Loops:
                 "forwards": carry["forwards"], "i": jnp.zeros((), jnp.int32), "key": carry["key"]}
         if sp.history:
             init["hist"] = carry["hist"]
+        if sp.coreset_first_step:
+            cfg = model.cfg
+            shape = (cfg.num_groups, cfg.group_size, canvas.shape[0], cfg.moe_block_coreset)
+            init["core"] = {"core": jnp.zeros(shape, jnp.int32), "have": jnp.zeros((), bool)}
         return lax.while_loop(cond, body, init)
 
     def _finish_block(self, carry: Carry, consts: Carry, needed, prev, canvas, cstep) -> Carry:

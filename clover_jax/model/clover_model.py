@@ -201,10 +201,12 @@ class CloverModel(nnx.Module):
 
     def extend(
         self, input_ids_BT: jax.Array, cache: dict[str, Any], positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, dict[str, Any]]:
+        segment_ids: jax.Array | None = None, return_stats: bool = False,
+    ) -> tuple[jax.Array, dict[str, Any]] | tuple[jax.Array, dict[str, Any], dict[str, jax.Array]]:
         """Runs T new tokens through the clean stream after the cached ones; returns (logits
-        [B, T, V] fp32, updated cache). Prefill, AR decoding and the block-mode commit pass.
+        [B, T, V] fp32, updated cache). Prefill, AR decoding and the block-mode commit pass. With
+        `return_stats`, also {"expert_counts": [L, E]}: the routed assignments of the new non-pad
+        tokens per layer and expert (bench/decode_cost.py reads the experts a forward touches).
 
         Default segment: the one of the last cached token (1 for an empty cache); default positions:
         continue the cached document (restart at 0 where a new segment starts). The caller keeps
@@ -221,13 +223,16 @@ class CloverModel(nnx.Module):
         ctx = self._contexts(segment_ids_BT, positions_BT, q_slots, k_slots, seg_all, ring_seg,
                              segment_ids_BT[:, 0] == last_seg)
         ctx["attn"]["cache_index"] = idx
-        x, layers, _ = run_stack(self.groups, self.embed(input_ids_BT, dtype_of(self.cfg.dtype)), ctx,
-                                 cache["layers"], scan=self.cfg.scan_layers)
+        x, layers, aux = run_stack(self.groups, self.embed(input_ids_BT, dtype_of(self.cfg.dtype)), ctx,
+                                   cache["layers"], scan=self.cfg.scan_layers)
         h = self.final_norm(x)
-        return self.logits(h), {
+        new_cache = {
             "index": idx + t, "segment_ids": seg_all, "next_position": positions_BT[:, -1] + 1,
             "last_hidden": h[:, -1].astype(cache["last_hidden"].dtype), "layers": layers,
         }
+        if return_stats:
+            return self.logits(h), new_cache, {"expert_counts": _reduce_aux(self.cfg, aux)["expert_counts"]}
+        return self.logits(h), new_cache
 
     # -- block diffusion (docs/design.md 3) ----------------------------------------------------------
     def _require_block_mode(self, what: str) -> None:
@@ -289,7 +294,8 @@ class CloverModel(nnx.Module):
 
     def block_step(
         self, canvas_ids_BK: jax.Array, cache: dict[str, Any], *, positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None, return_stats: bool = False,
+        segment_ids: jax.Array | None = None, return_stats: bool = False, coreset: jax.Array | None = None,
+        use_coreset: jax.Array | bool = True,
     ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """One denoising forward of a canvas (known tokens + mask tokens) of Bk positions placed at
         slots [index, index + Bk) against the clean caches, which are read and not changed (the
@@ -300,7 +306,12 @@ class CloverModel(nnx.Module):
         mean over heads: {"history_share": [n_gdn] its mean over the canvas' non-pad tokens,
         "history_share_sum": [n_gdn, Bk] its sum per canvas position over the rows where that position
         is a non-pad token, "history_tokens": [Bk] the count of those rows} (position means =
-        sum / tokens: the share vs the position inside the block)."""
+        sum / tokens: the share vs the position inside the block), and "expert_counts" [L, E]: the
+        routed assignments of the canvas' non-pad tokens per layer and expert; with the block coreset
+        on (`moe_block_coreset`), "coreset" [G, p, B, C]: the experts each MoE layer allowed (G
+        groups of p layers, the stack's own order). `coreset` (that form), where `use_coreset`
+        (a traced bool) is true, is used instead of the canvas' own coresets: the coreset fixed at a
+        block's first step (`DecodeConfig.coreset`)."""
         self._require_block_mode("block_step")
         cfg = self.cfg
         b, bk = canvas_ids_BK.shape
@@ -322,8 +333,12 @@ class CloverModel(nnx.Module):
             "gdn": {"segment_ids": seg, "ring_segment_ids": ring_seg, "continues": continues},
             "valid": seg != PAD_SEGMENT,
         }
+        moe_inputs = None
+        if coreset is not None:
+            use = jnp.broadcast_to(jnp.asarray(use_coreset, bool), coreset.shape[:2])
+            moe_inputs = {"core": coreset.astype(jnp.int32), "use_core": use}
         x, _, aux = run_stack(self.groups, self.embed(canvas_ids_BK, dtype_of(cfg.dtype)), ctx, cache["layers"],
-                              scan=cfg.scan_layers)
+                              scan=cfg.scan_layers, moe_inputs=moe_inputs)
         h = self.final_norm(x)
         if cfg.logits_shift:
             first = jnp.where(continues[:, :1, None], cache["last_hidden"][:, None].astype(h.dtype), 0.0)
@@ -337,7 +352,9 @@ class CloverModel(nnx.Module):
         share_LK = share_LK[jnp.asarray(gdn_layers)]
         tokens_K = jnp.sum((seg != PAD_SEGMENT).astype(jnp.float32), axis=0)
         return logits, {"history_share": jnp.sum(share_LK, axis=1) / jnp.maximum(jnp.sum(tokens_K), 1.0),
-                        "history_share_sum": share_LK, "history_tokens": tokens_K}
+                        "history_share_sum": share_LK, "history_tokens": tokens_K,
+                        "expert_counts": _reduce_aux(cfg, aux)["expert_counts"]} | (
+                            {"coreset": aux["coreset"]} if "coreset" in aux else {})
 
 
 class _Embedding(nnx.Module):

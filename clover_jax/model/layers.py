@@ -70,11 +70,16 @@ class LayerGroup(nnx.Module):
         self.size = cfg.group_size
         self.remat = cfg.remat  # the config's checkpoint policy for this group (see run_stack)
 
-    def __call__(self, x_BTD: jax.Array, ctx: dict[str, Any], cache: Cache | None):
+    def __call__(self, x_BTD: jax.Array, ctx: dict[str, Any], cache: Cache | None,
+                 moe_inputs: dict[str, jax.Array] | None = None):
+        """`moe_inputs`: per-layer MoE inputs with a leading [group_size] dim (layer j gets entry j
+        merged into `ctx["moe"]`), e.g. the fixed coresets of a decoding block."""
         new_cache, auxes = {}, []
         for j in range(self.size):
             name = f"layer_{j}"
-            x_BTD, c, aux = getattr(self, name)(x_BTD, ctx, None if cache is None else cache[name])
+            layer_ctx = ctx if moe_inputs is None else {
+                **ctx, "moe": {**ctx.get("moe", {}), **{k: v[j] for k, v in moe_inputs.items()}}}
+            x_BTD, c, aux = getattr(self, name)(x_BTD, layer_ctx, None if cache is None else cache[name])
             new_cache[name] = c
             auxes.append(aux)
         aux = jax.tree.map(lambda *xs: jnp.stack(xs), *auxes)
@@ -97,29 +102,30 @@ def stacked_group(cfg: ModelConfig, rngs: nnx.Rngs) -> LayerGroup:
 
 
 def run_stack(group: LayerGroup, x_BTD: jax.Array, ctx: dict[str, Any], cache: Cache | None, *, scan: bool,
-              remat: str | bool | None = None):
+              remat: str | bool | None = None, moe_inputs: dict[str, jax.Array] | None = None):
     """Applies all groups in order. Returns (x, new stacked cache or None, aux stacked [G, p, ...]).
 
     `remat`: a `clover_jax.parallel.remat` policy name for each layer group (None: the `remat.use_policy`
-    context's, else the model config's `remat`)."""
+    context's, else the model config's `remat`). `moe_inputs`: per-layer MoE inputs stacked
+    [G, p, ...] (`LayerGroup`)."""
     graphdef, state = nnx.split(group)
 
     def body(x, xs):
-        group_state, group_cache = xs
+        group_state, group_cache, group_moe = xs
         module = nnx.merge(graphdef, group_state)
-        x, new_cache, aux = module(x, ctx, group_cache)
+        x, new_cache, aux = module(x, ctx, group_cache, group_moe)
         return x, (new_cache, aux)
 
     # inside lax.scan the loop already keeps XLA from merging the recompute with the forward
     policy = remat if remat is not None else (remat_policies.override() or getattr(group, "remat", "none"))
     body = remat_policies.apply(body, policy, prevent_cse=not scan)
     if scan:
-        x, (new_cache, aux) = jax.lax.scan(body, x_BTD, (state, cache))
+        x, (new_cache, aux) = jax.lax.scan(body, x_BTD, (state, cache, moe_inputs))
         return x, new_cache, aux
     num = jax.tree.leaves(state)[0].shape[0]
     outs = []
     for gi in range(num):
-        sl = jax.tree.map(lambda a: a[gi], (state, cache))
+        sl = jax.tree.map(lambda a: a[gi], (state, cache, moe_inputs))
         x_BTD, out = body(x_BTD, sl)
         outs.append(out)
     new_cache, aux = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)

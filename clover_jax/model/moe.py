@@ -406,20 +406,27 @@ class MoE(nnx.Module):
         self.coreset = cfg.moe_block_coreset
         self.dispatch = getattr(cfg, "moe_dispatch", "ragged_a2a")
 
-    def _allowed(self, ctx: dict[str, Any]) -> Callable[[jax.Array], jax.Array] | None:
+    def _allowed(self, ctx: dict[str, Any], used: dict[str, jax.Array]) -> Callable[[jax.Array], jax.Array] | None:
         """The block coreset of this forward's noisy tokens (`moe_coreset`), or None (free routing):
         on with `moe_block_coreset` in the two-stream training forward (the noisy half, blocks of
         `ctx["moe"]["block_size"]` in `ctx["moe"]["pieces"]` context runs) and in a block step (the
-        canvas is one block per row); the clean stream and AR forwards route freely."""
+        canvas is one block per row; `ctx["moe"]["core"]` [B, C], where `ctx["moe"]["use_core"]` is
+        true, replaces the canvas' own coreset: decoding's `coreset: first_step`); the clean stream
+        and AR forwards route freely. A block step's coresets [B, C] land in `used["core"]`."""
         stream = ctx.get("stream", "ar")
         if self.coreset is None or stream == "ar":
             return None
-        c, valid = self.coreset, ctx["valid"]
+        c, valid, moe_ctx = self.coreset, ctx["valid"], ctx.get("moe", {})
 
         def allowed(probs_BSE: jax.Array) -> jax.Array:
             if stream == "block_step":
-                return moe_coreset.restrict(probs_BSE, valid, c, probs_BSE.shape[1])
-            bk, pieces = ctx["moe"]["block_size"], ctx["moe"]["pieces"]
+                blocks = probs_BSE[:, None]  # [B, 1, K, E]: the canvas is one block
+                core = moe_coreset.block_coresets(blocks, valid[:, None], c)[:, 0]
+                if "core" in moe_ctx:
+                    core = jnp.where(moe_ctx["use_core"], moe_ctx["core"], core)
+                used["core"] = core
+                return moe_coreset.mask_of(core[:, None], blocks.shape)[:, 0]
+            bk, pieces = moe_ctx["block_size"], moe_ctx["pieces"]
             _, noisy = split_streams(probs_BSE)
             _, noisy_valid = split_streams(valid)
             free = jnp.ones(noisy.shape, bool)
@@ -428,11 +435,13 @@ class MoE(nnx.Module):
         return allowed
 
     def __call__(self, x_BTD: jax.Array, ctx: dict[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """x [B, T, D] -> ([B, T, D], aux {"lb_loss": scalar, "expert_counts": [E]}).
+        """x [B, T, D] -> ([B, T, D], aux {"lb_loss": scalar, "expert_counts": [E]}, plus "coreset"
+        [B, C] in a block step with the coreset on).
         `ctx["valid"]` [B, T] excludes pad tokens from the load statistics (and from a block's
         coreset mass); `ctx["stream"]` and `ctx["moe"]` say where the block coreset applies."""
         b, t, d = x_BTD.shape
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        used: dict[str, jax.Array] = {}  # the block step's coresets, filled while routing
         mesh_ctx = sharding.current()
         if mesh_ctx is not None and mesh_ctx.mesh.size > 1:
             # [B, T] kept apart: with rows over the batch axes and T over `context`, flattening to
@@ -440,14 +449,14 @@ class MoE(nnx.Module):
             # all-gather every row's whole sequence over `context` (bf16 and fp32 [rows, 2T, D]
             # per layer in the agent_long plans)
             x = x_BTD.astype(self.dtype)
-            probs, weights, experts = route(self.router(x), self.top_k, self._allowed(ctx))
+            probs, weights, experts = route(self.router(x), self.top_k, self._allowed(ctx, used))
             routed = experts_parallel(x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo), ctx=mesh_ctx,
                                       impl=self.impl, dispatch=self.dispatch)
             valid = ctx["valid"]
         else:
             x = x_BTD.astype(self.dtype)
             # routed per row ([B, T]: a block coreset needs the blocks), then flat: [B*T] rows
-            probs, weights, experts = route(self.router(x), self.top_k, self._allowed(ctx))
+            probs, weights, experts = route(self.router(x), self.top_k, self._allowed(ctx, used))
             x, probs, weights, experts = (a.reshape((b * t,) + a.shape[2:]) for a in (x, probs, weights, experts))
             impl = resolve_impl(self.impl, rows=experts.size, experts=self.wi_gate[...].shape[0])
             routed = EXPERT_IMPLS[impl](x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo))
@@ -456,4 +465,5 @@ class MoE(nnx.Module):
         gate = jax.nn.sigmoid(self.shared_gate(x).astype(jnp.float32))
         y = remat.tag(routed + gate * shared.astype(jnp.float32), remat.MOE_OUT)
         lb, counts = load_balancing_loss(probs, experts, valid)
-        return y.astype(x_BTD.dtype).reshape(b, t, d), {"lb_loss": lb, "expert_counts": counts}
+        aux = {"lb_loss": lb, "expert_counts": counts} | ({"coreset": used["core"]} if "core" in used else {})
+        return y.astype(x_BTD.dtype).reshape(b, t, d), aux

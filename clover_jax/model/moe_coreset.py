@@ -22,17 +22,27 @@ import jax
 import jax.numpy as jnp
 
 
-def coreset_mask(probs_BNKE: jax.Array, valid_BNK: jax.Array, c: int) -> jax.Array:
-    """Blocks of K tokens: probs [B, N, K, E] fp32, valid [B, N, K] bool -> allowed [B, N, K, E]
-    bool, true on the C experts of largest block mass (every token of a block gets the same row)."""
+def block_coresets(probs_BNKE: jax.Array, valid_BNK: jax.Array, c: int) -> jax.Array:
+    """Blocks of K tokens: probs [B, N, K, E] fp32, valid [B, N, K] bool -> the coreset of every
+    block, core [B, N, C] int32: the C experts of largest block mass, largest first."""
     e = probs_BNKE.shape[-1]
     if not 1 <= c <= e:
         raise ValueError(f"moe_block_coreset {c} must be in [1, num_experts={e}]")
     mass_BNE = jnp.sum(jnp.where(valid_BNK[..., None], probs_BNKE, 0.0), axis=2)
-    _, core_BNC = jax.lax.top_k(mass_BNE, c)
+    return jax.lax.top_k(mass_BNE, c)[1].astype(jnp.int32)
+
+
+def mask_of(core_BNC: jax.Array, shape_BNKE: tuple[int, ...]) -> jax.Array:
+    """Coresets [B, N, C] -> allowed [B, N, K, E] bool (every token of a block gets its block's row)."""
+    e = shape_BNKE[-1]
     # a compare, not a scatter: elementwise over the (possibly sharded) block axis
     allowed_BNE = jnp.any(core_BNC[..., None] == jnp.arange(e, dtype=core_BNC.dtype), axis=-2)
-    return jnp.broadcast_to(allowed_BNE[:, :, None, :], probs_BNKE.shape)
+    return jnp.broadcast_to(allowed_BNE[:, :, None, :], shape_BNKE)
+
+
+def coreset_mask(probs_BNKE: jax.Array, valid_BNK: jax.Array, c: int) -> jax.Array:
+    """`mask_of(block_coresets(...))`: allowed [B, N, K, E] bool."""
+    return mask_of(block_coresets(probs_BNKE, valid_BNK, c), probs_BNKE.shape)
 
 
 def blocks_of(a_BT: jax.Array, block_size: int, pieces: int = 1) -> jax.Array:
@@ -54,4 +64,4 @@ def restrict(probs_BTE: jax.Array, valid_BT: jax.Array, c: int, block_size: int,
     return allowed.reshape(b, t, e)
 
 
-__all__ = ["blocks_of", "coreset_mask", "restrict"]
+__all__ = ["block_coresets", "blocks_of", "coreset_mask", "mask_of", "restrict"]

@@ -455,3 +455,24 @@ def test_bad_input_errors():
         DecodeConfig(mode="self_speculative", temperature=0.5)
     with pytest.raises(DecodeError, match="decode.mode"):
         DecodeConfig(mode="fast")
+
+
+def test_coreset_decoding_per_step_equals_recompute_and_first_step_is_wired():
+    """A model with the block coreset at its tightest (C = top-k): the cached decoder (per-step
+    coresets chosen in `block_step`) commits what the training forward over the whole buffer
+    commits (which chooses them in the noisy stream); `coreset: first_step` decodes differently
+    (each block keeps its first step's coresets) and not at all on the AR path."""
+    base = random_model()
+    cfg = base.cfg.replace(moe_block_coreset=base.cfg.num_experts_per_tok)
+    model = create_model(cfg, 7)
+    model.lm_head.kernel.set_value(model.lm_head.kernel[...] * 30.0)
+    ps = prompts()
+    kw = dict(block_size=4, threshold=0.9, eos_token_ids=(), trace=True)
+    a, a_out = decode(model, ps, **kw)
+    b, b_out = decode(model, ps, recompute=True, **kw)
+    assert a == b
+    assert [g.stats["commit_order"] for g in a_out.generations] == [g.stats["commit_order"] for g in b_out.generations]
+    f, _ = decode(model, ps, coreset="first_step", **kw)
+    assert f != a
+    assert decode(model, ps, mode="ar", eos_token_ids=(), coreset="first_step")[0] == \
+        decode(model, ps, mode="ar", eos_token_ids=())[0]

@@ -130,3 +130,35 @@ def test_coreset_under_expert_and_context_parallelism_equals_one_device(mesh_sha
             put(ids), put(noisy), put(seg))
     assert_rel_close(np.asarray(got_n), np.asarray(want_n), FP32_REL, "noisy")
     assert_rel_close(np.asarray(got_c), np.asarray(want_c), FP32_REL, "clean")
+
+
+def test_block_step_with_a_given_coreset_routes_inside_it():
+    """`block_step(coreset=..., use_coreset=...)` (decoding's `coreset: first_step`): the canvas' own
+    coresets given back change nothing; another canvas' replace them (the stats say so, and every
+    routed assignment lies inside them); `use_coreset=False` ignores them."""
+    cfg, model = randomised_block_model(0, moe_block_coreset=3)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(2, 200, (2, 12)).astype(np.int32)
+    _, cache = model.extend(jnp.asarray(ids[:, :4]), model.init_cache(2, 12))
+    first, later = ids[:, 4:8].copy(), ids[:, 4:8].copy()
+    first[:, 1:], later[:, 3:] = MASK, MASK
+    step = jax.jit(lambda c, core, use: model.block_step(c, cache, return_stats=True, coreset=core, use_coreset=use))
+    _, own_first = model.block_step(jnp.asarray(first), cache, return_stats=True)
+    want, own = model.block_step(jnp.asarray(later), cache, return_stats=True)
+    assert own["coreset"].shape == (cfg.num_groups, cfg.group_size, 2, 3)
+    same, st = step(jnp.asarray(later), own["coreset"], True)
+    assert np.asarray(same).tobytes() == np.asarray(want).tobytes()
+    got, st = step(jnp.asarray(later), own_first["coreset"], True)
+    np.testing.assert_array_equal(np.asarray(st["coreset"]), np.asarray(own_first["coreset"]))
+    assert not np.allclose(np.asarray(got), np.asarray(want), atol=1e-3)
+    # row 0 alone (batch 1, so the counts are its own): every assignment inside its given coresets
+    _, cache0 = model.extend(jnp.asarray(ids[:1, :4]), model.init_cache(1, 12))
+    _, st0 = model.block_step(jnp.asarray(later[:1]), cache0, return_stats=True,
+                              coreset=own_first["coreset"][:, :, :1])
+    counts = np.asarray(st0["expert_counts"]).reshape(cfg.num_groups, cfg.group_size, -1)
+    core = np.asarray(own_first["coreset"])[:, :, 0]
+    for g in range(cfg.num_groups):
+        for j in range(cfg.group_size):
+            assert counts[g, j].sum() > 0 and set(np.flatnonzero(counts[g, j])) <= set(core[g, j]), (g, j)
+    ignored, _ = step(jnp.asarray(later), own_first["coreset"], False)
+    assert np.asarray(ignored).tobytes() == np.asarray(want).tobytes()
