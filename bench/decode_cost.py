@@ -80,16 +80,19 @@ def research_touch(model_dir: Path, n: int, coresets: list[int], bfcl: str, seed
         cfg, model = load_hf(model_dir, moe_block_coreset=c)
         bk, layers = cfg.block_sizes[0], cfg.num_hidden_layers
         mask = cfg.mask_token_id
+        # fixed shapes (one compile each): a cache of max_len slots, the prompt fed one token at a time
         ext = jax.jit(lambda ids, cache: model.extend(ids, cache, return_stats=True))
         step = jax.jit(lambda ids, cache: model.block_step(ids, cache, return_stats=True)[1]["expert_counts"])
+        max_len = max(len(e.prompt_ids) + len(e.reference_ids) for e in examples)
         rng = np.random.default_rng(seed)
         ar, commit, blocks = [], [], {f: [] for f in MASK_LEVELS}
         for ex in examples:
             answer = ex.reference_ids[: len(ex.reference_ids) // bk * bk]  # whole blocks only
             if not answer:
                 continue
-            cache = model.init_cache(1, len(ex.prompt_ids) + len(answer))
-            _, cache, _ = ext(jnp.asarray([ex.prompt_ids], jnp.int32), cache)
+            cache = model.init_cache(1, max_len)
+            for t in ex.prompt_ids:
+                _, cache, _ = ext(jnp.asarray([[t]], jnp.int32), cache)
             if c is None:  # AR routes freely: once
                 ar_cache = cache
                 for t in answer:
@@ -228,7 +231,7 @@ def roofline_table(cfg: ModelConfig, touch: dict, coresets: list[int], tpf: dict
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--research-model", default="models/calibration_study/32")
-    p.add_argument("--prompts", type=int, default=40)
+    p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--bfcl", default=str(ROOT.parent / "shared/data/bfcl/BFCL_v4_simple_python.json"))
     p.add_argument("--coresets", default="8,16,32,64", help="C values for the 35B config")
     p.add_argument("--research-coresets", default="2,4", help="C values for the research model (8 experts)")
