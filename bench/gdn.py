@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref  # noqa: E402
-from pallas_kernels.gdn_reference import _tn  # noqa: E402
+from pallas_kernels.gdn.reference import _tn  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 

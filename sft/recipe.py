@@ -38,8 +38,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from clover_jax.parallel import sharding as sh
-from clover_jax.parallel.context import check_context_split
-from pallas_kernels.context_layout import pieces as context_pieces
+from pallas_kernels.context.split import check_context_split
+from pallas_kernels.context.layout import pieces as context_pieces
 from clover_jax.config import ModelConfig
 from clover_jax.model.clover_model import abstract_model, check_block_aligned, create_model, model_from_params, model_to_params
 from clover_jax.yaml_config import ConfigError, to_tree

@@ -20,8 +20,8 @@ from flax import nnx
 import pallas_kernels
 from clover_jax.config import ModelConfig
 from clover_jax.model.nn import Dense, GatedRMSNorm, constant, dtype_of, make_param, normal
-from pallas_kernels.gdn_context import context_size
-from pallas_kernels.stream_layout import join_streams, split_streams
+from pallas_kernels.context.gdn_scan import context_size
+from pallas_kernels.context.stream_layout import join_streams, split_streams
 
 CONV_PARTS = ("q", "k", "v")
 
@@ -231,7 +231,7 @@ class GatedDeltaNet(nnx.Module):
     # -- block mode (docs/design.md 3.2 B, C) ----------------------------------------------------------
     def two_stream(self, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
         """Training forward of both streams: x [B, 2T, D], the clean and noisy tokens (same positions) in
-        the layout of `pallas_kernels.stream_layout`, -> [B, 2T, D] in that layout. The clean stream is the
+        the layout of `pallas_kernels.context.stream_layout`, -> [B, 2T, D] in that layout. The clean stream is the
         AR layer exactly; the noisy one is the block-mode GDN on the row grid of `ctx["block_size"]` (T a
         multiple of it)."""
         if context_size() > 1:  # each stream's T sharded over the `context` mesh axis

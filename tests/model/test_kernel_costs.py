@@ -8,7 +8,7 @@ import pytest
 
 from clover_jax.config import get_preset
 from clover_jax.model.kernel_costs import ep_buffer_fill, step_kernel_cost
-from pallas_kernels.attention_splash import active_tiles, block_sizes_for, kernel_cost
+from pallas_kernels.attention.splash import active_tiles, block_sizes_for, kernel_cost
 
 
 def test_ep_buffer_fill():
