@@ -53,7 +53,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from pallas_kernels.context.attention_kernels import sharded_stream_attention  # noqa: E402
-from pallas_kernels.attention.splash import LANES, kernel_cost  # noqa: E402
+from clover_jax.model.splash_cost import kernel_cost  # noqa: E402
+from pallas_kernels.attention.splash import LANES  # noqa: E402
 from train import hlo_cost  # noqa: E402
 
 H, K, D, BLOCK = 16, 2, 256, 32
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"TPU AOT PREDICTION ({a.topology}, libtpu on a CPU host; nothing runs): one full-attention layer's core, "
           f"both streams, fwd+bwd, 1 row of T = {a.seq}, H {H} / KV {K}, head dim {D}, bf16, block {BLOCK}, splash "
           "per context shard. Collective bytes per chip (a gather's result, a scatter's operand); splash FLOPs per "
-          "chip: the tiles the shard's kernels run (`attention.splash.kernel_cost`).")
+          "chip: the tiles the shard's kernels run (`clover_jax.model.splash_cost.kernel_cost`).")
     print(f"{'n':>3}{'layout':>12}{'kind':>16}{'HLO MiB':>11}{'analytic MiB':>14}{'HLO/analytic':>14}{'ICI MiB':>10}")
     rows = []
     for n in (int(x) for x in a.contexts.split(",")):

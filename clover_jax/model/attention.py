@@ -25,10 +25,10 @@ from clover_jax.model.nn import Dense, RMSNorm, dtype_of
 from pallas_kernels.attention.reference import (  # noqa: F401  (re-exported: the model's mask builders)
     attend, causal_segment_mask, noisy_query_mask, two_stream_masks,
 )
-from pallas_kernels.context.attention import context_two_stream_attention
+from pallas_kernels.context.attention import context_stream_attention, context_two_stream_attention
 from pallas_kernels.attention.ops import resolve_attn_backend, stream_attention
 from pallas_kernels.attention.spans import attend_spans, causal_spans
-from pallas_kernels.context.gdn_scan import context_size
+from pallas_kernels.context.axis import context_size
 from pallas_kernels.context.stream_layout import join_streams, split_streams
 
 
@@ -112,9 +112,10 @@ class Attention(nnx.Module):
             v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), idx, axis=1)
             cache = {"k": k_all, "v": v_all}
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-        if cache is None and context_size() > 1:  # T sharded over the `context` mesh axis
-            out = stream_attention(q, k, v, ctx["segment_ids"], stream="clean", backend=self.backend,
-                                   context_layout=ctx.get("context_layout", "contiguous"))
+        if cache is None and context_size() > 1:  # T sharded over the `context` mesh axis (decided here only)
+            out = context_stream_attention(q, k, v, ctx["segment_ids"], stream="clean",
+                                           backend=resolve_attn_backend(self.backend),
+                                           layout=ctx.get("context_layout", "contiguous"))
         elif "mask" in ctx and cache is None:  # the reference backend's causal forward
             out = attend_spans(q, k, v, ctx["mask"], causal_spans(q.shape[1]))
         elif "mask" in ctx:  # against a cache: the dense mask is given
@@ -135,7 +136,7 @@ class Attention(nnx.Module):
         k, v = self.project_kv(x_BSD, cos2, sin2)
         (q_c, q_n), (k_c, k_n), (v_c, v_n) = (split_streams(a) for a in (q, k, v))
         seg = ctx["segment_ids"]
-        if context_size() > 1:  # each stream's T over the `context` axis: one K/V exchange for both
+        if context_size() > 1:  # each stream's T over the `context` axis (decided here only): one K/V exchange
             out_c, out_n = context_two_stream_attention(q_c, q_n, k_c, k_n, v_c, v_n, seg,
                                                         block_size=ctx["block_size"],
                                                         backend=resolve_attn_backend(self.backend),

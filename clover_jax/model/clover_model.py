@@ -20,7 +20,7 @@ from clover_jax.model.layers import init_stack_cache, run_stack, stacked_group
 from clover_jax.model.nn import RMSNorm, dtype_of, make_param, normal
 from pallas_kernels.attention.ops import resolve_attn_backend
 from pallas_kernels.context.exchange import from_layout, to_layout
-from pallas_kernels.context.gdn_scan import context_size
+from pallas_kernels.context.axis import context_size
 from pallas_kernels.context.stream_layout import join_streams, split_streams
 from clover_jax.model.params import Tree, check_flat_shapes, flatten, unflatten
 

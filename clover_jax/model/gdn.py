@@ -20,7 +20,7 @@ from flax import nnx
 import pallas_kernels
 from clover_jax.config import ModelConfig
 from clover_jax.model.nn import Dense, GatedRMSNorm, constant, dtype_of, make_param, normal
-from pallas_kernels.context.gdn_scan import context_size
+from pallas_kernels.context.axis import context_size
 from pallas_kernels.context.stream_layout import join_streams, split_streams
 
 CONV_PARTS = ("q", "k", "v")

@@ -3,11 +3,11 @@
 `GatedDeltaNet.__call__` (no cache) and `GatedDeltaNet.two_stream` hand over here when the active
 mesh has a `context` axis > 1. Projections and the output stay outside (token-wise, partitioned by
 XLA); the sequence mixing runs per shard in one `shard_map` manual over every mesh axis
-(`pallas_kernels.context.gdn_scan.over_rows`): rows over the axes THE rule table gives `batch`, key and
+(`pallas_kernels.context.axis.over_rows`): rows over the axes THE rule table gives `batch`, key and
 value heads over those of `act_heads` (the conv channels and taps with them), tokens over `context`.
 
 - conv halo: the K-1 pre-conv clean inputs before each piece of the row the shard holds (and their
-  segment ids) come from the piece before it (`pallas_kernels.context.gdn_scan.from_previous_piece`: the
+  segment ids) come from the piece before it (`pallas_kernels.context.axis.from_previous_piece`: the
   previous shard by `ppermute` for contiguous shards; for the zigzag layout, whose shards hold two
   pieces each, from the pieces' tails gathered in row order); the row's first piece gets the empty
   ring of the one-device run. The conv masks
@@ -27,10 +27,8 @@ import jax.numpy as jnp
 from clover_jax.model.gdn import CONV_PARTS, block_rings
 from clover_jax.parallel import sharding as sh
 from pallas_kernels.context.layout import from_piece_rows, pieces, to_piece_rows
-from pallas_kernels.context.gdn_scan import (
-    CONTEXT_AXIS, RowSpecs, first_piece, from_previous_piece, over_rows, row_specs, shard_block_gdn,
-    shard_chunk_gdn,
-)
+from pallas_kernels.context.axis import CONTEXT_AXIS, RowSpecs, first_piece, from_previous_piece, over_rows, row_specs
+from pallas_kernels.context.gdn_scan import shard_block_gdn, shard_chunk_gdn
 from pallas_kernels.context.stream_layout import join_streams, split_streams
 
 

@@ -13,9 +13,11 @@ backend choice, never a numerics choice (they agree to fp32 round-off). Backends
 - ``auto``: flash on GPU, splash on TPU, reference on CPU.
 
 Both kernels run the Pallas interpreter off their platform (CPU tests) and ``shard_map`` over batch
-and KV-head groups under a mesh. With a ``context`` mesh axis (the row's T sharded) every backend goes
-through :mod:`pallas_kernels.context.attention` (K/V all-gathered over the axis, the same backend
-per shard). Every other caller keeps the dense path whatever the backend:
+and KV-head groups under a mesh; T stays whole on every device. A row whose T is sharded over the
+``context`` mesh axis is the caller's decision (the model's attention layer): it calls
+:mod:`pallas_kernels.context.attention` instead (K/V all-gathered over the axis, the same backend per
+shard), which builds on this room; this room never imports that one. Every other caller keeps the
+dense path whatever the backend:
 prefill / decoding against a cache and the decode-side block steps (the model calls the reference
 ``attend`` directly: a cache-indexed mask, and query blocks of one decode block, too short for a
 kernel's tiles to pay).
@@ -27,12 +29,10 @@ from collections.abc import Sequence
 
 import jax
 
-from ..context.attention import context_stream_attention
 from .flash import flash_attention
 from .reference import clean_stream_mask, two_stream_masks
 from .spans import attend_spans, causal_spans, noisy_spans
 from .splash import Stream, splash_attention
-from ..context.gdn_scan import context_size
 
 ATTN_BACKENDS = ("auto", "splash", "flash", "reference")
 _AUTO = {"tpu": "splash", "gpu": "flash"}
@@ -63,20 +63,15 @@ def stream_attention(
     mesh=None,
     batch_axes: Sequence[str] | None = None,
     head_axes: Sequence[str] | None = None,
-    context_layout: str = "contiguous",
 ) -> jax.Array:
     """Attention of one training stream (see ``splash_attention`` for shapes and the mask rules;
     ``flash_attention`` has the same contract).
 
     ``mask_BTS``: the reference's precomputed boolean mask (the model builds it once per forward, not
     once per layer); None = built here from the segment ids. Ignored by the kernel, which needs only
-    the segment ids. ``context_layout``: the order of a context-sharded row (``context_layout``).
+    the segment ids. T whole on every device (a context-sharded row: ``context.attention``).
     Returns [B, T, H, D]."""
     backend = resolve_attn_backend(backend)
-    if context_size(mesh) > 1:  # T sharded over the `context` axis: gathered K/V, the backend per shard
-        kw = {} if backend == "reference" else dict(interpret=interpret, batch_axes=batch_axes, head_axes=head_axes)
-        return context_stream_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
-                                        mesh=mesh, backend=backend, layout=context_layout, **kw)
     if backend == "splash":
         return splash_attention(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, stream=stream, block_size=block_size,
                                 interpret=interpret, mesh=mesh, batch_axes=batch_axes, head_axes=head_axes)

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from .attention_kernels import context_kernel_attention, sharded_stream_attention
 from ..attention.reference import attend, causal_segment_mask, noisy_query_mask
 from .layout import layout_positions, pieces
-from .gdn_scan import CONTEXT_AXIS, context_size, over_context
+from .axis import CONTEXT_AXIS, context_size, over_context
 
 _TOK4, _TOK2 = P(None, CONTEXT_AXIS, None, None), P(None, CONTEXT_AXIS)
 

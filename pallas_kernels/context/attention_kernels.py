@@ -55,7 +55,7 @@ from ..attention.inputs import LANE_PAD_SEGMENT, pad_rows
 from ..attention.splash import LANES, splash_core
 from .splash_rows import shard_kernel
 from .layout import from_piece_rows, pieces, to_piece_rows
-from .gdn_scan import CONTEXT_AXIS, context_size, in_row_order, my_pieces
+from .axis import CONTEXT_AXIS, context_size, in_row_order, my_pieces
 
 #: id of the keys of later shards after the roll: matches no query (documents and pads use ids >= -1,
 #: the tile padding LANE_PAD_SEGMENT)

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from ..common import sharding
 from .layout import check_layout, pieces, piece_table, to_layout as gather_to_layout
 from .layout import from_layout as gather_from_layout
-from .gdn_scan import CONTEXT_AXIS, context_size
+from .axis import CONTEXT_AXIS, context_size
 
 
 class Move(NamedTuple):

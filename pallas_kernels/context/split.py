@@ -9,14 +9,12 @@ axis (`pallas_kernels.context.attention`). Token-wise layers (projections, MoE, 
 
 The split must keep every block (block diffusion) and every GDN chunk inside one piece, and give
 each piece at least the conv's K-1 left taps: `check_context_split` says so naming the config keys.
+The axis name is `pallas_kernels.context.axis.CONTEXT_AXIS` (the mesh's `MESH_AXES` names the same one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-CONTEXT_AXIS = "context"
-
 
 def check_context_split(seq_len: int, context: int, block_sizes: Sequence[int] = (), gdn_chunk_size: int = 1,
                         conv_kernel: int = 1, *, where: str = "config", layout: str = "contiguous",
@@ -50,4 +48,4 @@ def check_context_split(seq_len: int, context: int, block_sizes: Sequence[int] =
     return shard
 
 
-__all__ = ["CONTEXT_AXIS", "check_context_split"]
+__all__ = ["check_context_split"]

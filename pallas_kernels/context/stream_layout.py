@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .gdn_scan import context_size
+from .axis import context_size
 
 
 def _pieces(t: int, n: int | None) -> int:

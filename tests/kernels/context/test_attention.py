@@ -1,7 +1,7 @@
 """Attention over a sequence-sharded row (pallas_kernels/context/attention.py) against the one-device
 reference of both training streams: values and dq, dk, dv, with packed documents crossing shard
 boundaries, pads and GQA, on (fsdp, context) meshes of the 8 simulated CPU devices: the jnp
-reference per shard, and the splash / flash kernels per shard (interpret mode) through the dispatch."""
+reference per shard, and the splash / flash kernels per shard (interpret mode) through `context_stream_attention`."""
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +65,7 @@ KERNEL_CASES = [("splash", "clean", 1, 8), ("splash", "noisy", 32, 2), ("flash",
 
 @pytest.mark.parametrize("backend,stream,block,context", KERNEL_CASES)
 def test_context_kernels_equal_one_device_reference(backend, stream, block, context):
-    """The dispatch with a kernel backend under a context mesh (each shard's K/V padded, gathered and
+    """Attention over shards with a kernel backend under a context mesh (each shard's K/V padded, gathered and
     rolled; the kernel per shard, interpreted) equals the dense reference on one device: values and
     dq / dk / dv at FP32_REL of the largest entry (the acceptance asks 1e-5 / 1e-4; errors are ~4e-7)."""
     q, k, v, w = _inputs(stream)
@@ -76,8 +76,8 @@ def test_context_kernels_equal_one_device_reference(backend, stream, block, cont
     with jax.set_mesh(mesh):
         tok = NamedSharding(mesh, P(None, "context"))
         args = [jax.device_put(x, tok) for x in (q, k, v, w)]
-        got, got_g = _vg(lambda q, k, v: stream_attention(q, k, v, jax.device_put(seg, tok), stream=stream,
-                                                          block_size=block, backend=backend), *args)
+        got, got_g = _vg(lambda q, k, v: context_stream_attention(q, k, v, jax.device_put(seg, tok), stream=stream,
+                                                                  block_size=block, backend=backend), *args)
     what = f"{backend} {stream} b{block} c{context}"
     assert_rel_close(got, want, FP32_REL, f"{what} output")
     for name, a, b in zip("qkv", got_g, want_g):
@@ -165,8 +165,8 @@ def test_zigzag_kernels_equal_one_device_reference(backend, stream, block, conte
     keys = lambda x: lay(x) if stream == "clean" else jnp.concatenate([lay(x[:, :T]), lay(x[:, T:])], axis=1)  # noqa: E731
 
     def zz(q, k, v):
-        out = stream_attention(lay(q), keys(k), keys(v), lay(seg), stream=stream, block_size=block, backend=backend,
-                               context_layout="zigzag")
+        out = context_stream_attention(lay(q), keys(k), keys(v), lay(seg), stream=stream, block_size=block,
+                                       backend=backend, layout="zigzag")
         return from_layout(out, context, "zigzag")
 
     mesh = jax.make_mesh((8 // context, context), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)

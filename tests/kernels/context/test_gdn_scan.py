@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels import block_gated_delta_rule_ref, chunk_gated_delta_rule_ref
-from pallas_kernels.context.gdn_scan import (
-    augmented_sweep, context_block_gated_delta_rule, context_chunk_gated_delta_rule, context_size,
-)
+from pallas_kernels.context.axis import context_size
+from pallas_kernels.context.gdn_scan import (augmented_sweep, context_block_gated_delta_rule,
+                                             context_chunk_gated_delta_rule)
 from tests.model.parity_utils import FP32_REL, assert_rel_close, fast_jit
 
 B, T, H, DK, DV = 2, 32, 2, 8, 6

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.context.attention import context_two_stream_attention
 from pallas_kernels.attention.reference import clean_attention_ref, noisy_attention_ref
-from pallas_kernels.attention.splash import active_tiles, block_sizes_for
+from clover_jax.model.splash_cost import active_tiles
+from pallas_kernels.attention.splash import block_sizes_for
 from pallas_kernels.context.splash_rows import mask_function, query_codes, query_slots, row_tables
 from pallas_kernels.context.layout import to_layout, from_layout
 from tests.model.parity_utils import FP32_REL, assert_rel_close, fast_jit
