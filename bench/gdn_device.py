@@ -137,11 +137,11 @@ def kernel_times(T: int, H: int, dk: int, dv: int, repeats: int, interpret: bool
     """Best time (s) of each GPU phase kernel of the causal op alone (``gdn.gpu_calls``, bf16 q / k / v,
     one row of H heads): where the fwd / fwd+bwd time goes, for tuning the launch table."""
     from pallas_kernels.gdn import gpu_calls as g
-    from pallas_kernels.gdn.causal_op import _prepare
+    from pallas_kernels.gdn.causal_op import prepare
     from pallas_kernels.gdn.tpu_calls import KernelConfig
 
     x, bf = make_case(T, H, dk, dv), jnp.bfloat16
-    q, k, v, aux, s0 = _prepare(*(jnp.asarray(x[n], bf) for n in ("q", "k", "v")), x["g"], x["beta"], x["s0"],
+    q, k, v, aux, s0 = prepare(*(jnp.asarray(x[n], bf) for n in ("q", "k", "v")), x["g"], x["beta"], x["s0"],
                                 x["seg"], CHUNK)
     dO = jnp.asarray(x["w_o"], bf).reshape(1, T, H * dv)
     kw = dict(cfg=KernelConfig(chunk_size=CHUNK, scale=dk ** -0.5, low_dtype="bfloat16"), interpret=interpret)

@@ -86,7 +86,7 @@ def generate_init_checkpoint(cfg: SFTConfig) -> Path:
     return out
 
 
-def _source(cfg: SFTConfig) -> tuple[str, Path | None, ModelConfig | None, Path | None]:
+def data_source(cfg: SFTConfig) -> tuple[str, Path | None, ModelConfig | None, Path | None]:
     """(kind "hf" | "orbax" | "random", init path, the checkpoint's config, dir to take the
     tokenizer from)."""
     spec = cfg.model
@@ -328,7 +328,7 @@ def prepare(cfg: SFTConfig) -> SFTSetup:
     from train.optimizer import build_optimizer
 
     check_data_root(cfg)  # before the init checkpoint is read or written
-    kind, path, ck_cfg, tok_dir = _source(cfg)
+    kind, path, ck_cfg, tok_dir = data_source(cfg)
     mcfg = model_config_from(cfg.model, ck_cfg)
     mcfg = mcfg.replace(param_dtype=cfg.train.param_dtype)
     if cfg.vocab_subset.enabled:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .chunk_math import _NT, _TN, AUX_WIDTH, MatmulPolicy, _iota, aux_row, col_to_row, row_to_col
+from .chunk_math import DIMS_NT, DIMS_TN, AUX_WIDTH, MatmulPolicy, iota2d, aux_row, col_to_row, row_to_col
 
 RUN_N, ALPHA, LHIST = range(3)
 HIST_OFF = -1e30     # LHIST sentinel: no history unit for this token
@@ -32,7 +32,7 @@ def _probs(qn, kn, auxn, mm: MatmulPolicy):
     alpha = jnp.max(aux_row(auxn, ALPHA), axis=1, keepdims=True)          # (1, 1)
     lh = row_to_col(aux_row(auxn, LHIST))
     hist_on = lh > 0.5 * HIST_OFF
-    G = mm.dot(qn, kn, _NT)
+    G = mm.dot(qn, kn, DIMS_NT)
     same = run == run_r
     L = jnp.where(same, alpha * G, _NEG)
     lh = jnp.where(hist_on, lh, _NEG)
@@ -60,14 +60,14 @@ def readout_combine_backward(qn_BK, kn_BK, vn_BW, auxn_AB, r_BW, dO_BW, mm: Matm
     Bk = qn.shape[0]
     P, ph, G, alpha = _probs(qn, kn, auxn_AB, mm)
     o = mm.dot(P, vn) + ph * r_BW
-    dvn = mm.dot(P, dO, _TN)
+    dvn = mm.dot(P, dO, DIMS_TN)
     # softmax over [L, lh]: dlogit = p (dp - rho), rho = sum_j p_j dp_j = dO . o
     rho = jnp.sum(dO * o, axis=1, keepdims=True)
-    dL = P * (mm.dot(dO, vn, _NT) - rho)
+    dL = P * (mm.dot(dO, vn, DIMS_NT) - rho)
     dlh = ph * (jnp.sum(dO * r_BW, axis=1, keepdims=True) - rho)
     dq = alpha * mm.dot(dL, kn)
-    dk = alpha * mm.dot(dL, qn, _TN)
+    dk = alpha * mm.dot(dL, qn, DIMS_TN)
     dalpha = jnp.sum(dL * G, axis=1, keepdims=True)
-    rows = _iota((AUX_WIDTH, Bk), 0)
+    rows = iota2d((AUX_WIDTH, Bk), 0)
     dauxn = jnp.where(rows == ALPHA, col_to_row(dalpha), 0.0) + jnp.where(rows == LHIST, col_to_row(dlh), 0.0)
     return dq, dk, dvn, dauxn, ph * dO

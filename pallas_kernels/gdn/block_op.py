@@ -33,12 +33,12 @@ from . import block_phase_math as bpm
 from . import chunk_math as cm
 from ..common import sharding
 from . import gpu_calls as phase_gpu
-from .causal_op import INTERPRET_FORMS, _kernel_dims, _prepare, _select, on_value_heads, pad_heads
+from .causal_op import INTERPRET_FORMS, kernel_dims, prepare, select_form, on_value_heads, pad_heads
 from .tpu_calls import (
     BlockPlan, KernelConfig, intra_call, noisy_forward_call, parallel_backward_call, state_backward_call,
     sweep_call,
 )
-from .reference import _check_inputs, _reset_flags
+from .reference import check_inputs, reset_flags
 
 f32 = jnp.float32
 
@@ -48,7 +48,7 @@ def _prepare_tiles(segment_ids, scalars_H3, aux, B: int, T: int, H: int, plan: B
     (padding to whole chunks) form blocks whose outputs are dropped."""
     N, C = aux.shape[2], aux.shape[-1]
     Tp, Bk, R = N * C, plan.block, plan.R
-    reset_BT = jnp.pad(_reset_flags(segment_ids, B, T), ((0, 0), (0, Tp - T)))
+    reset_BT = jnp.pad(reset_flags(segment_ids, B, T), ((0, 0), (0, Tp - T)))
     run_BT = jnp.cumsum(reset_BT.astype(jnp.int32), axis=1)
     run_BNC = run_BT.reshape(B, Tp // Bk, Bk)
     # the history state belongs to the document of the token before the block (token 0 for block 0)
@@ -98,7 +98,7 @@ def _forward_make(cfg, plan: BlockPlan, H, HK, K, V):
                 final, o, r = sweep_call(q, k, w, u, aux, s0, noisy=(qn, auxn, plan), **kw)
                 on, ph = noisy_forward_call(qn, kn, vn, auxn, r, K=Kx, **kw)
                 return o, on, final, T_inv, ph
-        Kp, Vp = _kernel_dims(form, interpret, H, K, V)
+        Kp, Vp = kernel_dims(form, interpret, H, K, V)
         return pad_heads(call, ("q", "q", "v", None, "s", "q", "q", "v", None), ("v", "v", "s", None, None),
                          H, K, V, Kp, Vp, HK)
     return make
@@ -119,7 +119,7 @@ def _backward_make(cfg, plan: BlockPlan, H, HK, K, V):
                 dq, dk, dv, daux, dqn, dkn, dvn, dauxn = parallel_backward_call(
                     q, k, v, aux, T, w, u, states, dstates, dO, noisy=(qn, kn, vn, auxn, dOn, plan), **kw)
                 return dq, dk, dv, daux, ds0, dqn, dkn, dvn, dauxn
-        Kp, Vp = _kernel_dims(form, interpret, H, K, V)
+        Kp, Vp = kernel_dims(form, interpret, H, K, V)
         kinds_in = ("q", "q", "v", None, "s", "q", "q", "v", None, None, None, "v", "v", "s")
         kinds_out = ("q", "q", "v", None, "s", "q", "q", "v", None)
         return pad_heads(call, kinds_in, kinds_out, H, K, V, Kp, Vp, HK)
@@ -133,7 +133,7 @@ def _dims_of(s0, q):
 
 def _core_parts(q, k, v, aux, s0, qn, kn, vn, auxn, cfg, mode, plan):
     make = _forward_make(cfg, plan, *_dims_of(s0, q))
-    return _select(make, mode, q, k, v, aux, s0, qn, kn, vn, auxn)
+    return select_form(make, mode, q, k, v, aux, s0, qn, kn, vn, auxn)
 
 
 def _core_impl(*a):
@@ -153,7 +153,7 @@ def _core_bwd(cfg, mode, plan, res, cts):
     q, k, v, aux, s0, qn, kn, vn, auxn, T_inv, ph = res
     dO, dOn, dfin = cts
     make = _backward_make(cfg, plan, *_dims_of(s0, q))
-    grads = _select(make, mode, q, k, v, aux, s0, qn, kn, vn, auxn, T_inv, ph, dO.astype(v.dtype),
+    grads = select_form(make, mode, q, k, v, aux, s0, qn, kn, vn, auxn, T_inv, ph, dO.astype(v.dtype),
                     dOn.astype(vn.dtype), dfin.astype(f32))
     return tuple(g.astype(x.dtype) for g, x in zip(grads, res[:9]))
 
@@ -195,7 +195,7 @@ def block_gated_delta_rule_pallas(
         (o_clean [B, T, H, dv] in v's dtype, o_noisy [B, T, H, dv] in v_noisy's dtype,
         final clean state [B, H, dk, dv] fp32).
     """
-    B, T, H, K, V = _check_inputs(q, k, v, g, beta, initial_state, segment_ids)
+    B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state, segment_ids)
     HK = q.shape[2]
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
@@ -213,7 +213,7 @@ def block_gated_delta_rule_pallas(
     sc = float(K ** -0.5 if scale is None else scale)
     cfg = KernelConfig(chunk_size=chunk_size, scale=sc, block_v=block_v, low_dtype=low)
     mode = ({None: "auto", True: "interpret", False: "native"}[interpret], interpret_form)
-    qf, kf, vf, aux, s0 = _prepare(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    qf, kf, vf, aux, s0 = prepare(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
     auxn = _prepare_tiles(segment_ids, scalars_H3, aux, B, T, H, plan, initial_state is not None)
     Tp = qf.shape[1]
     flat = lambda x: jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, 0))).reshape(B, Tp, -1)  # noqa: E731

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from . import block_math as bm
 from . import phase_math as pm
-from .chunk_math import _NT, _TN, AUX_WIDTH, CUM, RUN, MatmulPolicy, _iota, aux_row, col_to_row, row_to_col
+from .chunk_math import DIMS_NT, DIMS_TN, AUX_WIDTH, CUM, RUN, MatmulPolicy, iota2d, aux_row, col_to_row, row_to_col
 
 BLK, HDEC, CUMB, RUNB = 3, 4, 5, 6
 f32 = jnp.float32
@@ -47,7 +47,7 @@ def readout_decay(aux_AC, auxn_AC) -> jax.Array:
 
 def readout_matrix(qn_CK, k_CK, aux_AC, auxn_AC, *, scale: float, mm: MatmulPolicy) -> jax.Array:
     """Mn [C, C] = ((qn s) k^T) * En: how each noisy row's block-start state reads the chunk's deltas."""
-    return mm.dot(qn_CK.astype(f32) * scale, k_CK.astype(f32), _NT) * readout_decay(aux_AC, auxn_AC)
+    return mm.dot(qn_CK.astype(f32) * scale, k_CK.astype(f32), DIMS_NT) * readout_decay(aux_AC, auxn_AC)
 
 
 def tile_readout(qn_RK, auxn_AR, S_KW, *, scale: float, mm: MatmulPolicy, Mn=None, delta=None) -> jax.Array:
@@ -61,8 +61,8 @@ def readout_state_cotangents(qn_RK, auxn_AR, dr_RW, *, scale: float, mm: MatmulP
     """The readouts' share of the sequential backward: (dS [K, W] of the tile-start state, ddelta
     [C, W] or None)."""
     hdec = row_to_col(aux_row(auxn_AR, HDEC))
-    dS = mm.dot((hdec * scale) * qn_RK.astype(f32), dr_RW, _TN)
-    return dS, None if Mn is None else mm.dot(Mn, dr_RW, _TN)
+    dS = mm.dot((hdec * scale) * qn_RK.astype(f32), dr_RW, DIMS_TN)
+    return dS, None if Mn is None else mm.dot(Mn, dr_RW, DIMS_TN)
 
 
 def noisy_tile_backward(qn_RK, kn_RK, vn_RW, auxn_AR, S_KW, dOn_RW, *, scale: float, mm: MatmulPolicy,
@@ -74,28 +74,28 @@ def noisy_tile_backward(qn_RK, kn_RK, vn_RW, auxn_AR, S_KW, dOn_RW, *, scale: fl
     mid = k_CK is not None
     qs = qn_RK.astype(f32) * scale
     En = readout_decay(aux_AC, auxn_AR) if mid else None
-    QK = mm.dot(qs, k_CK.astype(f32), _NT) if mid else None
+    QK = mm.dot(qs, k_CK.astype(f32), DIMS_NT) if mid else None
     Mn = QK * En if mid else None
     r = tile_readout(qn_RK, auxn_AR, S_KW, scale=scale, mm=mm, Mn=Mn, delta=delta)
     dqn, dkn, dvn, dauxn, dr = bm.readout_combine_backward(qn_RK, kn_RK, vn_RW, auxn_AR, r, dOn_RW, mm)
     # r = diag(hdec) (qn s) S + Mn delta
     hdec = row_to_col(aux_row(auxn_AR, HDEC))
-    drS = mm.dot(dr, S_KW, _NT)                                 # [R, K]
+    drS = mm.dot(dr, S_KW, DIMS_NT)                                 # [R, K]
     dqn = dqn + (hdec * scale) * drS
     R = qs.shape[0]
-    rows = _iota((AUX_WIDTH, R), 0)
+    rows = iota2d((AUX_WIDTH, R), 0)
     dauxn = dauxn + jnp.where(rows == HDEC, col_to_row(jnp.sum(qs * drS, axis=1, keepdims=True)), 0.0)
     if not mid:
         return dqn, dkn, dvn, dauxn, None, None, None
-    dMn = mm.dot(dr, delta, _NT)                                # [R, C]
+    dMn = mm.dot(dr, delta, DIMS_NT)                                # [R, C]
     dQK = dMn * En
     dqn = dqn + scale * mm.dot(dQK, k_CK.astype(f32))
-    dk = mm.dot(dQK, qs, _TN)
+    dk = mm.dot(dQK, qs, DIMS_TN)
     F = dQK * QK                                                # dEn * En: En = exp(CUMB_i - cum_j)
     dauxn = dauxn + jnp.where(rows == CUMB, col_to_row(jnp.sum(F, axis=1, keepdims=True)), 0.0)
     C = k_CK.shape[0]
-    daux = jnp.where(_iota((AUX_WIDTH, C), 0) == CUM, -jnp.sum(F, axis=0, keepdims=True), 0.0)
-    return dqn, dkn, dvn, dauxn, dk, daux, mm.dot(Mn, dr, _TN)
+    daux = jnp.where(iota2d((AUX_WIDTH, C), 0) == CUM, -jnp.sum(F, axis=0, keepdims=True), 0.0)
+    return dqn, dkn, dvn, dauxn, dk, daux, mm.dot(Mn, dr, DIMS_TN)
 
 
 # ------------------------------------------------------------------ per-step compositions (kernels)

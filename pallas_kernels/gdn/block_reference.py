@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .reference import _reset_flags, chunk_gated_delta_rule_ref, repeat_key_heads
+from .reference import reset_flags, chunk_gated_delta_rule_ref, repeat_key_heads
 
 _HI = lax.Precision.HIGHEST
 
@@ -77,7 +77,7 @@ def block_masks(segment_ids_BT: jax.Array | None, B: int, T: int, block_size: in
                 has_initial_state: bool) -> tuple[jax.Array, jax.Array]:
     """(same_doc [B, N, C, C], has_history [B, N, C]) for the row-grid blocks; T % block_size == 0."""
     n, c = T // block_size, block_size
-    run_BT = jnp.cumsum(_reset_flags(segment_ids_BT, B, T).astype(jnp.int32), axis=1)
+    run_BT = jnp.cumsum(reset_flags(segment_ids_BT, B, T).astype(jnp.int32), axis=1)
     run_BNC = run_BT.reshape(B, n, c)
     same_doc_BNCC = run_BNC[..., :, None] == run_BNC[..., None, :]
     # the document the history belongs to: that of the token before the block (of token 0 for the

@@ -2,7 +2,7 @@
 
 Structure (who does what):
 
-1. ``_prepare`` (plain jnp, differentiated by JAX autodiff): the transformers argument convention
+1. ``prepare`` (plain jnp, differentiated by JAX autodiff): the transformers argument convention
    [B, T, H, .] -> [B, Tp, H * .] (T padded to whole chunks only when T % C != 0; otherwise a free
    reshape: the kernel's BlockSpecs pick head h's (C, d) tile out of the flat head dim), and the
    per-token scalars the kernel needs (segment-restarting in-chunk cumsum of g, beta, state-in /
@@ -42,19 +42,19 @@ from . import chunk_math as cm
 from . import gpu_calls as phase_gpu
 from ..common import sharding
 from .tpu_calls import KernelConfig, intra_call, parallel_backward_call, state_backward_call, sweep_call
-from .reference import _check_inputs, _masked_exp, _reset_flags, _segmented_cumsum
+from .reference import check_inputs, masked_exp, reset_flags, segmented_cumsum
 
 f32 = jnp.float32
 INTERPRET_FORMS = ("tpu", "gpu")
 
 
-def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int):
+def prepare(q, k, v, g, beta, initial_state, segment_ids, C: int):
     """-> (q, k [B, Tp, H*K], v [B, Tp, H*V] in their dtypes, aux [B, H, N, AUX, C] fp32, s0 fp32)."""
     B, T, _, K = q.shape
     H, V = v.shape[2:]
     N = -(-T // C)
     pad = N * C - T
-    reset_BT = _reset_flags(segment_ids, B, T)
+    reset_BT = reset_flags(segment_ids, B, T)
     run_BT = jnp.cumsum(reset_BT.astype(jnp.int32), axis=1)
     # Pad tokens (q = k = v = g = beta = 0) continue the last document: exact no-ops on the state.
     reset_BT = jnp.pad(reset_BT, ((0, 0), (0, pad)))
@@ -75,12 +75,12 @@ def _prepare(q, k, v, g, beta, initial_state, segment_ids, C: int):
     if segment_ids is None:
         cum_BHNC = jnp.cumsum(g_BHNC, axis=-1)
     else:
-        cum_BHNC = _segmented_cumsum(g_BHNC, reset_BT.reshape(B, 1, N, C))
+        cum_BHNC = segmented_cumsum(g_BHNC, reset_BT.reshape(B, 1, N, C))
     rows = [None] * cm.AUX_WIDTH
     rows[cm.CUM], rows[cm.BETA] = cum_BHNC, beta_BHNC
-    rows[cm.EIN] = _masked_exp(cum_BHNC, from_prev_B1NC)
-    rows[cm.EOUT] = _masked_exp(cum_BHNC[..., -1:] - cum_BHNC, to_last_B1NC)
-    rows[cm.SDEC] = jnp.broadcast_to(_masked_exp(cum_BHNC[..., -1], keep_prev_B1N)[..., None], (B, H, N, C))
+    rows[cm.EIN] = masked_exp(cum_BHNC, from_prev_B1NC)
+    rows[cm.EOUT] = masked_exp(cum_BHNC[..., -1:] - cum_BHNC, to_last_B1NC)
+    rows[cm.SDEC] = jnp.broadcast_to(masked_exp(cum_BHNC[..., -1], keep_prev_B1N)[..., None], (B, H, N, C))
     rows[cm.RUN] = jnp.broadcast_to(lax.stop_gradient(run_BNC.astype(f32))[:, None], (B, H, N, C))
     zeros = jnp.zeros_like(cum_BHNC)
     aux = jnp.stack([r if r is not None else zeros for r in rows], axis=-2)   # [B, H, N, AUX, C]
@@ -154,12 +154,12 @@ def _padded_dims(form: str, H: int, K: int, V: int) -> tuple[int, int]:
     return K, V
 
 
-def _kernel_dims(form: str, interpret: bool, H: int, K: int, V: int) -> tuple[int, int]:
+def kernel_dims(form: str, interpret: bool, H: int, K: int, V: int) -> tuple[int, int]:
     """Head dims the causal kernels run at: the padded native dims, unpadded in the interpreter."""
     return (K, V) if interpret else _padded_dims(form, H, K, V)
 
 
-def _select(make, mode: tuple[str, str], *args):
+def select_form(make, mode: tuple[str, str], *args):
     """Runs the right form of a kernel. ``make(form, interpret)`` builds a call; ``mode`` is
     (kind, interpret_form). kind "interpret": always the interpreter; "native": Mosaic on TPU,
     Triton on CUDA / ROCm, Mosaic elsewhere (fails on CPU with Pallas' own error); "auto": like
@@ -213,7 +213,7 @@ def _causal_forward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int):
             T, w, u = intra_call(k, v, aux, K=k.shape[-1] // HK, cfg=cfg, interpret=interpret)
             final, o = sweep_call(q, k, w, u, aux, s0, cfg=cfg, interpret=interpret)
             return o, final, T
-        Kp, Vp = _kernel_dims(form, interpret, H, K, V)
+        Kp, Vp = kernel_dims(form, interpret, H, K, V)
         return pad_heads(call, ("q", "q", "v", None, "s"), ("v", "s", None), H, K, V, Kp, Vp, HK)
 
     return make
@@ -231,7 +231,7 @@ def _causal_backward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int):
                 dstates, ds0 = state_backward_call(q, k, w, aux, dO, dfin, **kw)
                 dq, dk, dv, daux = parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, **kw)
                 return dq, dk, dv, daux, ds0
-        Kp, Vp = _kernel_dims(form, interpret, H, K, V)
+        Kp, Vp = kernel_dims(form, interpret, H, K, V)
         return pad_heads(call, ("q", "q", "v", None, "s", None, "v", "s"), ("q", "q", "v", None, "s"),
                          H, K, V, Kp, Vp, HK)
 
@@ -240,7 +240,7 @@ def _causal_backward_make(cfg: KernelConfig, H: int, HK: int, K: int, V: int):
 
 def _core_parts(q, k, v, aux, s0, cfg, mode):
     H, K, V = s0.shape[1:]
-    return _select(_causal_forward_make(cfg, H, q.shape[-1] // K, K, V), mode, q, k, v, aux, s0)
+    return select_form(_causal_forward_make(cfg, H, q.shape[-1] // K, K, V), mode, q, k, v, aux, s0)
 
 
 def _core_impl(q, k, v, aux, s0, cfg, mode):
@@ -263,7 +263,7 @@ def _core_bwd(cfg, mode, res, cts):
     dO, dfin = cts
     H, K, V = s0.shape[1:]
     make = _causal_backward_make(cfg, H, q.shape[-1] // K, K, V)
-    dq, dk, dv, daux, ds0 = _select(make, mode, q, k, v, aux, s0, T, dO.astype(v.dtype), dfin.astype(f32))
+    dq, dk, dv, daux, ds0 = select_form(make, mode, q, k, v, aux, s0, T, dO.astype(v.dtype), dfin.astype(f32))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), daux, ds0.astype(s0.dtype)
 
 
@@ -310,7 +310,7 @@ def chunk_gated_delta_rule_pallas(
     Returns:
         (o [B, T, H, dv] in v's dtype, final_state [B, H, dk, dv] fp32).
     """
-    B, T, H, K, V = _check_inputs(q, k, v, g, beta, initial_state, segment_ids)
+    B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state, segment_ids)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     if interpret_form not in INTERPRET_FORMS:
@@ -319,7 +319,7 @@ def chunk_gated_delta_rule_pallas(
     cfg = KernelConfig(chunk_size=chunk_size, scale=float(K ** -0.5 if scale is None else scale),
                        block_v=block_v, low_dtype=low)
     mode = ({None: "auto", True: "interpret", False: "native"}[interpret], interpret_form)
-    qf, kf, vf, aux, s0 = _prepare(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    qf, kf, vf, aux, s0 = prepare(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
 
     core = lambda *a: _core(*a, cfg, mode)  # noqa: E731
     mesh = sharding.active_mesh(mesh)

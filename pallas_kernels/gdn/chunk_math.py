@@ -44,8 +44,8 @@ AUX_WIDTH = 8
 CUM, BETA, EIN, EOUT, SDEC, RUN = range(6)
 
 _NN = (((1,), (0,)), ((), ()))
-_NT = (((1,), (1,)), ((), ()))   # a @ b.T
-_TN = (((0,), (0,)), ((), ()))   # a.T @ b
+DIMS_NT = (((1,), (1,)), ((), ()))   # a @ b.T
+DIMS_TN = (((0,), (0,)), ((), ()))   # a.T @ b
 
 
 class MatmulPolicy:
@@ -69,25 +69,25 @@ class MatmulPolicy:
                                precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
 
 
-def _iota(shape: tuple[int, int], axis: int) -> jax.Array:
+def iota2d(shape: tuple[int, int], axis: int) -> jax.Array:
     return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
 def aux_row(aux_AC: jax.Array, r: int) -> jax.Array:
     """Row ``r`` of aux as [1, C] (a masked sublane sum: value slicing does not lower everywhere)."""
-    return jnp.sum(jnp.where(_iota(aux_AC.shape, 0) == r, aux_AC, 0.0), axis=0, keepdims=True)
+    return jnp.sum(jnp.where(iota2d(aux_AC.shape, 0) == r, aux_AC, 0.0), axis=0, keepdims=True)
 
 
 def col_to_row(x_C1: jax.Array) -> jax.Array:
     """[C, 1] -> [1, C] exactly (masked sublane sum: no vector transpose needed)."""
     n = x_C1.shape[0]
-    return jnp.sum(jnp.where(_iota((n, n), 0) == _iota((n, n), 1), x_C1, 0.0), axis=0, keepdims=True)
+    return jnp.sum(jnp.where(iota2d((n, n), 0) == iota2d((n, n), 1), x_C1, 0.0), axis=0, keepdims=True)
 
 
 def row_to_col(x_1C: jax.Array) -> jax.Array:
     """[1, C] -> [C, 1] exactly."""
     n = x_1C.shape[1]
-    return jnp.sum(jnp.where(_iota((n, n), 0) == _iota((n, n), 1), x_1C, 0.0), axis=1, keepdims=True)
+    return jnp.sum(jnp.where(iota2d((n, n), 0) == iota2d((n, n), 1), x_1C, 0.0), axis=1, keepdims=True)
 
 
 def invert_unit_lower(A_CC: jax.Array, mm: MatmulPolicy) -> jax.Array:
@@ -100,7 +100,7 @@ def invert_unit_lower(A_CC: jax.Array, mm: MatmulPolicy) -> jax.Array:
     keys repeat (beta ~ 1, g ~ 0), every intermediate here is a block of the true inverse.
     """
     n = A_CC.shape[0]
-    i, j = _iota((n, n), 0), _iota((n, n), 1)
+    i, j = iota2d((n, n), 0), iota2d((n, n), 1)
     T = jnp.where(i == j, 1.0, 0.0).astype(jnp.float32)
     s = 0  # block size b = 2**s; shifts, not floor division (jnp's // lowers through sign on Mosaic)
     while (1 << s) < n:
@@ -122,7 +122,7 @@ def _chunk_common(q_CK, k_CK, v_CW, aux_AC, S_KW, scale: float, mm: MatmulPolicy
     cum, run, beta, ein, eout = (row_to_col(r) for r in (
         cum_r, run_r, aux_row(aux_AC, BETA), aux_row(aux_AC, EIN), aux_row(aux_AC, EOUT)))
     sdec_11 = jnp.max(aux_row(aux_AC, SDEC), axis=1, keepdims=True)
-    i, j = _iota((C, C), 0), _iota((C, C), 1)
+    i, j = iota2d((C, C), 0), iota2d((C, C), 1)
     same = run == run_r
     m_at = same & (j <= i)
     m_ut = same & (j < i)
@@ -130,13 +130,13 @@ def _chunk_common(q_CK, k_CK, v_CW, aux_AC, S_KW, scale: float, mm: MatmulPolicy
     # Masked exponents are zeroed before exp: a future / other-document entry can be positive.
     E_at = jnp.where(m_at, jnp.exp(jnp.where(m_at, diff, 0.0)), 0.0)
     E_ut = jnp.where(m_ut, E_at, 0.0)
-    G = mm.dot(k, k, _NT)
+    G = mm.dot(k, k, DIMS_NT)
     A = beta * G * E_ut
     T = invert_unit_lower(A, mm)
     KS = mm.dot(k, S_KW)
     R = beta * (v - ein * KS)
     delta = mm.dot(T, R)
-    QK = mm.dot(q, k, _NT)
+    QK = mm.dot(q, k, DIMS_NT)
     P = QK * E_at
     return dict(q=q, k=k, v=v, beta=beta, ein=ein, eout=eout, sdec=sdec_11, E_at=E_at, E_ut=E_ut,
                 G=G, T=T, KS=KS, delta=delta, QK=QK, P=P)
@@ -148,5 +148,5 @@ def chunk_forward(q_CK, k_CK, v_CW, aux_AC, S_KW, *, scale: float, mm: MatmulPol
     its per-chunk oracle (tests/kernels/gdn/test_phase_math.py)."""
     x = _chunk_common(q_CK, k_CK, v_CW, aux_AC, S_KW, scale, mm)
     o = x["ein"] * mm.dot(x["q"], S_KW) + mm.dot(x["P"], x["delta"])
-    S_new = x["sdec"] * S_KW + mm.dot(x["eout"] * x["k"], x["delta"], _TN)
+    S_new = x["sdec"] * S_KW + mm.dot(x["eout"] * x["k"], x["delta"], DIMS_TN)
     return o, S_new

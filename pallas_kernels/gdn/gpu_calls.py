@@ -46,8 +46,8 @@ from . import block_phase_math as bpm
 from . import phase_math as pm
 from .chunk_math import AUX_WIDTH as AUX
 from .tpu_calls import (
-    KernelConfig, _at_tile_start, _intra_kernel, _key_head, _noisy_forward_kernel, _parallel_backward_kernel,
-    _shape, parallel_backward_io,
+    KernelConfig, at_tile_start, intra_kernel, key_head, noisy_forward_kernel, parallel_backward_kernel,
+    call_dims, parallel_backward_io,
 )
 
 f32 = jnp.float32
@@ -119,8 +119,8 @@ def _sweep_params(cfg: KernelConfig, K: int, V: int, interpret: bool):
 
 def intra_call(k, v, aux, *, K: int, cfg: KernelConfig, interpret: bool, T_in=None):
     """Phase a. Returns (T [B,H,N,C,C] fp32, w [B,Tp,H*K], u [B,Tp,H*V]) or, with ``T_in``, (w, u)."""
-    B, Tp, H, HK, V, C, N, rep = _shape(k, v, aux, K)
-    kq = pl.BlockSpec((None, C, K), lambda b, h, n: (b, n, _key_head(h, rep)))
+    B, Tp, H, HK, V, C, N, rep = call_dims(k, v, aux, K)
+    kq = pl.BlockSpec((None, C, K), lambda b, h, n: (b, n, key_head(h, rep)))
     kw = pl.BlockSpec((None, C, K), lambda b, h, n: (b, n, h))
     vw = pl.BlockSpec((None, C, V), lambda b, h, n: (b, n, h))
     ax = pl.BlockSpec((None, None, 1, AUX, C), lambda b, h, n: (b, h, n, 0, 0))
@@ -132,7 +132,7 @@ def intra_call(k, v, aux, *, K: int, cfg: KernelConfig, interpret: bool, T_in=No
     else:
         in_specs, out_specs, out_shape, args = [kq, vw, ax, tt], [kw, vw], wu_shape, (k, v, aux, T_in)
     call = pl.pallas_call(
-        functools.partial(_intra_kernel, cfg=cfg, G=1, C=C, with_T_in=T_in is not None),
+        functools.partial(intra_kernel, cfg=cfg, G=1, C=C, with_T_in=T_in is not None),
         out_shape=out_shape, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_parallel_params(cfg, K, V, interpret), interpret=interpret,
         name="gdn_gpu_wy" if T_in is not None else "gdn_gpu_intra")
@@ -151,7 +151,7 @@ def _output_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, st_ref, *refs, cfg, plan
         o = pm.chunk_output(*chunk, **kw)
         if plan:   # a block starts at this chunk: its readout is of this chunk's start state
 
-            @_at_tile_start(pl.program_id(2), plan.rb)
+            @at_tile_start(pl.program_id(2), plan.rb)
             def _():
                 r_ref[...] = bpm.tile_readout(qn_ref[...], auxn_ref[...], S, **kw)
     o_ref[...] = o.astype(o_ref.dtype)
@@ -162,10 +162,10 @@ def output_call(q, k, w, u, aux, states, *, cfg: KernelConfig, interpret: bool, 
     dtype, and with ``noisy`` = (qn [B,Tp,HK*K], auxn [B,H,Tp/R,AUX,R], plan: BlockPlan) (block
     mode) also r [B,Tp,H*V] fp32, the history readout of every noisy token."""
     K = w.shape[-1] // aux.shape[1]
-    B, Tp, H, HK, V, C, N, rep = _shape(q, u, aux, K)
+    B, Tp, H, HK, V, C, N, rep = call_dims(q, u, aux, K)
     W = tile_width(cfg, K, V)
     NV = V // W
-    kq = pl.BlockSpec((None, C, K), lambda b, h, n, j: (b, n, _key_head(h, rep)))
+    kq = pl.BlockSpec((None, C, K), lambda b, h, n, j: (b, n, key_head(h, rep)))
     kw = pl.BlockSpec((None, C, K), lambda b, h, n, j: (b, n, h))
     vw = pl.BlockSpec((None, C, W), lambda b, h, n, j: (b, n, h * NV + j))
     ax = pl.BlockSpec((None, None, None, AUX, C), lambda b, h, n, j: (b, h, n, 0, 0))
@@ -177,7 +177,7 @@ def output_call(q, k, w, u, aux, states, *, cfg: KernelConfig, interpret: bool, 
         R, rb = plan.R, plan.rb
         tile = (lambda n: n) if rb == 1 else (lambda n: lax.div(n, jnp.int32(rb)))
         args = args + (qn, auxn)
-        in_specs += [pl.BlockSpec((None, R, K), lambda b, h, n, j: (b, tile(n), _key_head(h, rep))),
+        in_specs += [pl.BlockSpec((None, R, K), lambda b, h, n, j: (b, tile(n), key_head(h, rep))),
                      pl.BlockSpec((None, None, None, AUX, R), lambda b, h, n, j: (b, h, tile(n), 0, 0))]
         out_shape.append(jax.ShapeDtypeStruct((B, Tp, H * V), f32))
         out_specs.append(pl.BlockSpec((None, R, W), lambda b, h, n, j: (b, tile(n), h * NV + j)))
@@ -195,13 +195,13 @@ def noisy_forward_call(qn, kn, vn, auxn, r, *, K: int, cfg: KernelConfig, interp
     Returns (on [B,Tp,H*V] in vn's dtype, ph [B,H,NT,1,R] fp32: the history unit's probability)."""
     B, H, NT, _, R = auxn.shape
     Tp, V, rep = qn.shape[1], vn.shape[-1] // H, H // (qn.shape[-1] // K)
-    nq = pl.BlockSpec((None, R, K), lambda b, h, t: (b, t, _key_head(h, rep)))
+    nq = pl.BlockSpec((None, R, K), lambda b, h, t: (b, t, key_head(h, rep)))
     nv = pl.BlockSpec((None, R, V), lambda b, h, t: (b, t, h))
     nax = pl.BlockSpec((None, None, 1, AUX, R), lambda b, h, t: (b, h, t, 0, 0))
     nph = pl.BlockSpec((None, None, 1, 1, R), lambda b, h, t: (b, h, t, 0, 0))
     out_shape = [jax.ShapeDtypeStruct((B, Tp, H * V), vn.dtype), jax.ShapeDtypeStruct((B, H, NT, 1, R), f32)]
     call = pl.pallas_call(
-        functools.partial(_noisy_forward_kernel, cfg=cfg, G=1, R=R), out_shape=out_shape, grid=(B, H, NT),
+        functools.partial(noisy_forward_kernel, cfg=cfg, G=1, R=R), out_shape=out_shape, grid=(B, H, NT),
         in_specs=[nq, nq, nv, nax, nv], out_specs=[nv, nph], compiler_params=_parallel_params(cfg, K, V, interpret),
         interpret=interpret, name="gdn_gpu_block_noisy")
     return tuple(call(qn, kn, vn, auxn, r))
@@ -214,7 +214,7 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
     fp32) and with ``noisy`` = (qn, kn, vn, auxn, dOn, plan) also (dqn, dkn, dvn, dauxn). rep = H / HK
     must be a power of two (one rep * dv tile per step)."""
     K = w.shape[-1] // aux.shape[1]
-    B, Tp, H, HK, V, C, N, rep = _shape(q, v, aux, K)
+    B, Tp, H, HK, V, C, N, rep = call_dims(q, v, aux, K)
     if rep & (rep - 1):
         raise ValueError(f"{H} value heads on {HK} key heads: the GPU form needs a power-of-two ratio")
     plan = None if noisy is None else noisy[-1]
@@ -225,7 +225,7 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
     args, in_specs, out_specs, out_shape = parallel_backward_io(
         q, k, v, aux, T, w, u, states, dstates, dO, noisy, G=G, rep=rep, C=C, K=K, V=V)
     call = pl.pallas_call(
-        functools.partial(_parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep, plan=plan),
+        functools.partial(parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep, plan=plan),
         out_shape=out_shape, grid=(B, HK, N // G), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_backward_params(cfg, K, V, interpret), interpret=interpret,
         name="gdn_gpu_block_parallel_bwd" if plan else "gdn_gpu_parallel_bwd")
@@ -237,7 +237,7 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
 def _sweep_specs(Tp: int, N: int, rep: int, C: int, K: int, W: int, NV: int):
     """BlockSpecs on the (b, h, j) grid of a sweep: key-head and value-head [Tp, K] columns, the value
     tile's [Tp, W] columns, aux [N, AUX, C], a state tile [K, W] and the per-chunk state tiles [N*K, W]."""
-    kq = pl.BlockSpec((None, Tp, K), lambda b, h, j: (b, 0, _key_head(h, rep)))
+    kq = pl.BlockSpec((None, Tp, K), lambda b, h, j: (b, 0, key_head(h, rep)))
     kw = pl.BlockSpec((None, Tp, K), lambda b, h, j: (b, 0, h))
     vw = pl.BlockSpec((None, Tp, W), lambda b, h, j: (b, 0, h * NV + j))
     ax = pl.BlockSpec((None, None, N, AUX, C), lambda b, h, j: (b, h, 0, 0, 0))
@@ -261,7 +261,7 @@ def sweep_call(k, w, u, aux, s0, *, cfg: KernelConfig, interpret: bool):
     """The state sweep. Returns (final [B,H,K,V] fp32, states [B,H,N*K,V] fp32: rows n*K:(n+1)*K =
     the state before chunk n)."""
     K = s0.shape[2]
-    B, Tp, H, HK, V, C, N, rep = _shape(k, u, aux, K)
+    B, Tp, H, HK, V, C, N, rep = call_dims(k, u, aux, K)
     W = tile_width(cfg, K, V)
     kq, kw, vw, ax, s, st = _sweep_specs(Tp, N, rep, C, K, W, V // W)
     out_shape = [jax.ShapeDtypeStruct((B, H, K, V), f32), jax.ShapeDtypeStruct((B, H, N * K, V), f32)]
@@ -305,7 +305,7 @@ def state_backward_call(q, k, w, aux, dO, dfinal, *, cfg: KernelConfig, interpre
     [B,H,N*K,V] fp32: rows n*K:(n+1)*K = the cotangent of the state AFTER chunk n, ds0 [B,H,K,V]).
     ``noisy`` = (qn, auxn, ph, dOn, plan): block mode, the readouts' cotangents join dS."""
     K = dfinal.shape[2]
-    B, Tp, H, HK, V, C, N, rep = _shape(q, dO, aux, K)
+    B, Tp, H, HK, V, C, N, rep = call_dims(q, dO, aux, K)
     W = tile_width(cfg, K, V)
     NV = V // W
     kq, kw, vw, ax, s, st = _sweep_specs(Tp, N, rep, C, K, W, NV)

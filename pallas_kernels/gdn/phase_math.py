@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from . import chunk_math as cm
-from .chunk_math import _NT, _TN, AUX_WIDTH, BETA, CUM, EIN, EOUT, RUN, SDEC, MatmulPolicy
+from .chunk_math import DIMS_NT, DIMS_TN, AUX_WIDTH, BETA, CUM, EIN, EOUT, RUN, SDEC, MatmulPolicy
 
 f32 = jnp.float32
 
@@ -37,7 +37,7 @@ def _scalars(aux_AC: jax.Array) -> dict[str, jax.Array]:
     cum_r, run_r = cm.aux_row(aux_AC, CUM), cm.aux_row(aux_AC, RUN)
     cum, run, beta, ein, eout = (cm.row_to_col(r) for r in (
         cum_r, run_r, cm.aux_row(aux_AC, BETA), cm.aux_row(aux_AC, EIN), cm.aux_row(aux_AC, EOUT)))
-    i, j = cm._iota((C, C), 0), cm._iota((C, C), 1)
+    i, j = cm.iota2d((C, C), 0), cm.iota2d((C, C), 1)
     same = run == run_r
     m_at = same & (j <= i)
     # Masked exponents are zeroed before exp: a future / other-document entry can be positive.
@@ -53,7 +53,7 @@ def chunk_inverse(k_CK: jax.Array, aux_AC: jax.Array, mm: MatmulPolicy) -> jax.A
     """T = (I + A)^-1 [C, C] fp32 (A = diag(beta) (k k^T) * E_ut); the inverse always at fp32 HIGHEST."""
     x = _scalars(aux_AC)
     k = k_CK.astype(f32)
-    A = x["beta"] * mm.dot(k, k, _NT) * x["E_ut"]
+    A = x["beta"] * mm.dot(k, k, DIMS_NT) * x["E_ut"]
     return cm.invert_unit_lower(A, mm)
 
 
@@ -78,7 +78,7 @@ def sweep_terms(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale: float, mm: MatmulPo
     x = _scalars(aux_AC)
     q = q_CK.astype(f32) * scale
     k = k_CK.astype(f32)
-    x.update(q=q, k=k, qe=x["ein"] * q, kd=x["eout"] * k, P=mm.dot(q, k, _NT) * x["E_at"],
+    x.update(q=q, k=k, qe=x["ein"] * q, kd=x["eout"] * k, P=mm.dot(q, k, DIMS_NT) * x["E_at"],
              delta=chunk_delta(w_CK, u_CW, S_KW, mm))
     return x
 
@@ -105,7 +105,7 @@ def sweep_output(x: dict[str, jax.Array], S_KW, mm: MatmulPolicy) -> jax.Array:
 
 def next_state(sdec_11, kd_CK, delta_CW, S_KW, mm: MatmulPolicy) -> jax.Array:
     """S' [K, W] fp32 = sdec S + kd^T delta (kd = diag(eout) k)."""
-    return sdec_11 * S_KW + mm.dot(kd_CK, delta_CW, _TN)
+    return sdec_11 * S_KW + mm.dot(kd_CK, delta_CW, DIMS_TN)
 
 
 def chunk_state_step(k_CK, w_CK, u_CW, aux_AC, S_KW, *, mm: MatmulPolicy) -> jax.Array:
@@ -131,10 +131,10 @@ def chunk_state_backward(q_CK, k_CK, w_CK, aux_AC, dO_CW, dSn_KW, *, scale: floa
     q = q_CK.astype(f32) * scale
     k = k_CK.astype(f32)
     dO = dO_CW.astype(f32)
-    ddelta = mm.dot(mm.dot(q, k, _NT) * x["E_at"], dO, _TN) + mm.dot(x["eout"] * k, dSn_KW)
+    ddelta = mm.dot(mm.dot(q, k, DIMS_NT) * x["E_at"], dO, DIMS_TN) + mm.dot(x["eout"] * k, dSn_KW)
     if ddelta_extra is not None:
         ddelta = ddelta + ddelta_extra
-    return x["sdec"] * dSn_KW + mm.dot(x["ein"] * q, dO, _TN) - mm.dot(w_CK, ddelta, _TN)
+    return x["sdec"] * dSn_KW + mm.dot(x["ein"] * q, dO, DIMS_TN) - mm.dot(w_CK, ddelta, DIMS_TN)
 
 
 def chunk_sweep_cotangents(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, dO_CW, dSn_KW, *, scale: float,
@@ -151,20 +151,20 @@ def chunk_sweep_cotangents(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, dO_CW, dSn_KW, 
         x = sweep_terms(q_CK, k_CK, w_CK, u_CW, aux_AC, S_KW, scale, mm)
     dO = dO_CW.astype(f32)
     delta = x["delta"]
-    ddelta = mm.dot(x["P"], dO, _TN) + mm.dot(x["kd"], dSn_KW)
+    ddelta = mm.dot(x["P"], dO, DIMS_TN) + mm.dot(x["kd"], dSn_KW)
     if ddelta_extra is not None:
         ddelta = ddelta + ddelta_extra
-    dw = -mm.dot(ddelta, S_KW, _NT)
-    dqe = mm.dot(dO, S_KW, _NT)                           # d(qe), qe = ein q s
-    dkd = mm.dot(delta, dSn_KW, _NT)                      # d(kd), kd = eout k
+    dw = -mm.dot(ddelta, S_KW, DIMS_NT)
+    dqe = mm.dot(dO, S_KW, DIMS_NT)                           # d(qe), qe = ein q s
+    dkd = mm.dot(delta, dSn_KW, DIMS_NT)                      # d(kd), kd = eout k
     dq_p = (x["ein"] * scale) * dqe
     dk_p = x["eout"] * dkd
     dein = jnp.sum(x["q"] * dqe, axis=1, keepdims=True)
     deout = jnp.sum(x["k"] * dkd, axis=1, keepdims=True)
     dsdec = jnp.sum(jnp.sum(S_KW * dSn_KW, axis=1, keepdims=True), axis=0, keepdims=True)
     C = q_CK.shape[0]
-    rows = cm._iota((AUX_WIDTH, C), 0)
-    first = cm._iota((AUX_WIDTH, C), 1) == 0
+    rows = cm.iota2d((AUX_WIDTH, C), 0)
+    first = cm.iota2d((AUX_WIDTH, C), 1) == 0
     daux = (jnp.where(rows == EIN, cm.col_to_row(dein), 0.0) + jnp.where(rows == EOUT, cm.col_to_row(deout), 0.0)
             + jnp.where((rows == SDEC) & first, dsdec, 0.0))
     return dq_p, dk_p, dw, ddelta, delta, daux
@@ -194,30 +194,30 @@ def chunk_intra_backward(q_CK, k_CK, v_CW, aux_AC, T_CC, w_CK, u_CW, dO_CW, delt
     v = v_CW.astype(f32)
     dO = dO_CW.astype(f32)
     # P = (q s k^T) * E_at, output term P delta
-    QK = mm.dot(q, k, _NT)
-    dQK = mm.dot(dO, delta_CW, _NT) * E_at
+    QK = mm.dot(q, k, DIMS_NT)
+    dQK = mm.dot(dO, delta_CW, DIMS_NT) * E_at
     dq = mm.dot(dQK, k) * scale
-    dk = mm.dot(dQK, q, _TN)
+    dk = mm.dot(dQK, q, DIMS_TN)
     # u = T (beta v), w = T (beta ein k): d(beta v) = T^T du, d(beta ein k) = T^T dw
-    dbv = mm.dot(T_CC, du_CW, _TN)
-    dbek = mm.dot(T_CC, dw_CK, _TN)
+    dbv = mm.dot(T_CC, du_CW, DIMS_TN)
+    dbek = mm.dot(T_CC, dw_CK, DIMS_TN)
     dv = beta * dbv
     dk = dk + (beta * ein) * dbek
     dbeta = jnp.sum(dbv * v, axis=1, keepdims=True) + ein * jnp.sum(dbek * k, axis=1, keepdims=True)
     dein = beta * jnp.sum(dbek * k, axis=1, keepdims=True)
     # T = (I + A)^-1: dA = -T^T dT T^T = -(dbv u^T + dbek w^T)
-    dA = -(mm.dot(dbv, u_CW, _NT) + mm.dot(dbek, w_CK, _NT))
+    dA = -(mm.dot(dbv, u_CW, DIMS_NT) + mm.dot(dbek, w_CK, DIMS_NT))
     # A = beta G E_ut, G = k k^T
-    G = mm.dot(k, k, _NT)
+    G = mm.dot(k, k, DIMS_NT)
     dAE = dA * E_ut
     dbeta = dbeta + jnp.sum(dAE * G, axis=1, keepdims=True)
     dG = beta * dAE
-    dk = dk + mm.dot(dG, k) + mm.dot(dG, k, _TN)
+    dk = dk + mm.dot(dG, k) + mm.dot(dG, k, DIMS_TN)
     # E_ij = exp(cum_i - cum_j): d cum_i += sum_j F_ij, d cum_j -= sum_i F_ij
     F = dQK * QK + dAE * beta * G
     dcum_r = cm.col_to_row(jnp.sum(F, axis=1, keepdims=True)) - jnp.sum(F, axis=0, keepdims=True)
     C = q_CK.shape[0]
-    rows = cm._iota((AUX_WIDTH, C), 0)
+    rows = cm.iota2d((AUX_WIDTH, C), 0)
     daux = (jnp.where(rows == CUM, dcum_r, 0.0) + jnp.where(rows == BETA, cm.col_to_row(dbeta), 0.0)
             + jnp.where(rows == EIN, cm.col_to_row(dein), 0.0))
     return dq, dk, dv, daux

@@ -33,7 +33,7 @@ def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
     return jnp.einsum(spec, *operands, precision=_HI)
 
 
-def _tn(lhs_XKM: jax.Array, rhs_XKP: jax.Array) -> jax.Array:
+def tn(lhs_XKM: jax.Array, rhs_XKP: jax.Array) -> jax.Array:
     """``out[..., m, p] = sum_k lhs[..., k, m] rhs[..., k, p]``: [..., K, M] x [..., K, P] -> [..., M, P].
 
     Every matmul of the chunked op has this "TN" form, both operands with the contracted axis second
@@ -47,7 +47,7 @@ def _tn(lhs_XKM: jax.Array, rhs_XKP: jax.Array) -> jax.Array:
     return _einsum("xkm,xkp->xmp", lhs, rhs).reshape(lead + (lhs.shape[-1], rhs.shape[-1]))
 
 
-def _check_inputs(
+def check_inputs(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
     initial_state: jax.Array | None, segment_ids: jax.Array | None,
 ) -> tuple[int, int, int, int, int]:
@@ -76,7 +76,7 @@ def repeat_key_heads(q_BTHK: jax.Array, H: int) -> jax.Array:
     return q_BTHK if rep == 1 else jnp.repeat(q_BTHK, rep, axis=2)
 
 
-def _reset_flags(segment_ids_BT: jax.Array | None, B: int, T: int) -> jax.Array:
+def reset_flags(segment_ids_BT: jax.Array | None, B: int, T: int) -> jax.Array:
     """[B, T] bool: True where the state must be zeroed before token t (id differs from t - 1)."""
     if segment_ids_BT is None:
         return jnp.zeros((B, T), bool)
@@ -85,7 +85,7 @@ def _reset_flags(segment_ids_BT: jax.Array | None, B: int, T: int) -> jax.Array:
     return jnp.concatenate([jnp.zeros((B, 1), bool), changed_BT], axis=1)
 
 
-def _masked_exp(x: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_exp(x: jax.Array, mask: jax.Array) -> jax.Array:
     """exp(x) where mask else 0, with the masked exponent zeroed BEFORE exp.
 
     Masked entries (future positions, other documents) can have positive exponents that overflow;
@@ -162,13 +162,13 @@ def recurrent_gated_delta_rule_ref(
     Args: see the module docstring for shapes. ``initial_state_BHKV`` defaults to zeros.
     Returns: ``(o_BTHV in v's dtype, final_state_BHKV fp32)``.
     """
-    B, T, H, K, V = _check_inputs(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_state_BHKV, segment_ids_BT)
+    B, T, H, K, V = check_inputs(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_state_BHKV, segment_ids_BT)
     q_BTHK, k_BTHK = repeat_key_heads(q_BTHK, H), repeat_key_heads(k_BTHK, H)
     scale = K ** -0.5 if scale is None else scale
     f32 = jnp.float32
     state0_BHKV = (jnp.zeros((B, H, K, V), f32) if initial_state_BHKV is None
                    else initial_state_BHKV.astype(f32))
-    reset_BT = _reset_flags(segment_ids_BT, B, T)
+    reset_BT = reset_flags(segment_ids_BT, B, T)
 
     def time_major(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [T, B, ...] for lax.scan
         return jnp.moveaxis(x if x.dtype == bool else x.astype(f32), 1, 0)
@@ -190,7 +190,7 @@ def recurrent_gated_delta_rule_ref(
     return jnp.moveaxis(o_TBHV, 0, 1).astype(v_BTHV.dtype), final_BHKV
 
 
-def _segmented_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
+def segmented_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
     """Inclusive cumsum over the last axis that restarts at every position where ``reset`` is True.
 
     Restarting (rather than differencing a global cumsum) keeps the exponents small: within a
@@ -237,7 +237,7 @@ def chunk_gated_delta_rule_ref(
     state carried INTO every chunk ``[B, N, H, dk, dv]`` fp32 (chunk n's entry = the state after
     tokens < n*C, still in the document of token n*C - 1; the block-mode GDN reads it as history).
     """
-    B, T, H, K, V = _check_inputs(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_state, segment_ids)
+    B, T, H, K, V = check_inputs(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_state, segment_ids)
     q_BTHK, k_BTHK = repeat_key_heads(q_BTHK, H), repeat_key_heads(k_BTHK, H)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
@@ -250,7 +250,7 @@ def chunk_gated_delta_rule_ref(
     X = B * H  # batch rows and heads merged: one batch axis for every matmul
     # Document index per token (0, 1, 2, ... along T). Comparing run indices instead of raw ids
     # makes a reused id (e.g. pad id 0 between every pair of documents) a separate document.
-    reset_BT = _reset_flags(segment_ids, B, T)
+    reset_BT = reset_flags(segment_ids, B, T)
     run_BT = jnp.cumsum(reset_BT.astype(jnp.int32), axis=1)
     # Pad tokens continue the last document (no reset) and are exact no-ops on the state.
     reset_BT = jnp.pad(reset_BT, ((0, 0), (0, pad)))
@@ -258,7 +258,7 @@ def chunk_gated_delta_rule_ref(
 
     def chunked(x: jax.Array, feature_major: bool = False) -> jax.Array:
         """[B, T, H, ...] -> zero-padded fp32 [N, X, C, ...] (chunk-major: the layout the scan over
-        chunks consumes), or [N, X, D, C] with ``feature_major`` (the left operand of :func:`_tn`)."""
+        chunks consumes), or [N, X, D, C] with ``feature_major`` (the left operand of :func:`tn`)."""
         x = jnp.pad(x.astype(f32), ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
         x = jnp.moveaxis(x.reshape((B, N, C) + x.shape[2:]), (1, 3), (0, 2))   # [N, B, H, C, ...]
         x = x.reshape((N, X) + x.shape[3:])
@@ -290,34 +290,34 @@ def chunk_gated_delta_rule_ref(
     if segment_ids is None:
         cum_NXC = jnp.cumsum(g_NXC, axis=-1)
     else:
-        cum_NXC = _segmented_cumsum(g_NXC, per_row(jnp.moveaxis(reset_BT.reshape(B, N, C), 1, 0)))
+        cum_NXC = segmented_cumsum(g_NXC, per_row(jnp.moveaxis(reset_BT.reshape(B, N, C), 1, 0)))
     diff_T_NXCC = cum_NXC[..., None, :] - cum_NXC[..., :, None]              # [j, i] = cum_i - cum_j
-    decay_attn_T_NXCC = _masked_exp(diff_T_NXCC, same_doc_NXCC & causal_T_CC)  # same_doc is symmetric
+    decay_attn_T_NXCC = masked_exp(diff_T_NXCC, same_doc_NXCC & causal_T_CC)  # same_doc is symmetric
     decay_ut_T_NXCC = jnp.where(strict_T_CC, decay_attn_T_NXCC, 0.0)         # same exponentials, diagonal off
 
     # Delta-rule coupling of the chunk: d_i + sum_{j<i} A_ij d_j = beta_i v_i - (decayed S0)^T beta_i k_i.
     # A^T and attn^T in one matmul: A^T[j, i] = k_j . (beta_i k_i), attn^T[j, i] = k_j . q_i.
-    kk_T_NXCC2 = _tn(k_NXKC, jnp.concatenate([k_NXKC * beta_NXC[..., None, :], q_NXKC], axis=-1))
+    kk_T_NXCC2 = tn(k_NXKC, jnp.concatenate([k_NXKC * beta_NXC[..., None, :], q_NXKC], axis=-1))
     A_NXCC = jnp.swapaxes(kk_T_NXCC2[..., :C] * decay_ut_T_NXCC, -1, -2)
     attn_T_NXCC = kk_T_NXCC2[..., C:] * decay_attn_T_NXCC
-    decay_in_NXC = _masked_exp(cum_NXC, from_prev_NXC)
+    decay_in_NXC = masked_exp(cum_NXC, from_prev_NXC)
     T_T_NXCC = jnp.swapaxes(unit_lower_inverse(A_NXCC), -1, -2)               # ((I + A)^-1)^T
-    u_NXCV = _tn(T_T_NXCC, v_NXCV * beta_NXC[..., None])                       # T (beta v)
-    w_NXKC = _tn(k_NXCK * (beta_NXC * decay_in_NXC)[..., None], T_T_NXCC)      # (T beta k decay_in)^T; d = u - w S0
+    u_NXCV = tn(T_T_NXCC, v_NXCV * beta_NXC[..., None])                       # T (beta v)
+    w_NXKC = tn(k_NXCK * (beta_NXC * decay_in_NXC)[..., None], T_T_NXCC)      # (T beta k decay_in)^T; d = u - w S0
     q_dec_NXKC = q_NXKC * decay_in_NXC[..., None, :]
     cum_last_NX1 = cum_NXC[..., -1:]
-    k_dec_NXCK = k_NXCK * _masked_exp(cum_last_NX1 - cum_NXC, to_last_NXC)[..., None]
-    state_decay_NX = _masked_exp(cum_last_NX1[..., 0], keep_prev_NX)
+    k_dec_NXCK = k_NXCK * masked_exp(cum_last_NX1 - cum_NXC, to_last_NXC)[..., None]
+    state_decay_NX = masked_exp(cum_last_NX1[..., 0], keep_prev_NX)
     wq_NXKC2 = jnp.concatenate([w_NXKC, q_dec_NXKC], axis=-1)                 # both read the state S
 
     # ---- sequential pass over chunks ----
     def step(S_XKV, x):
         u_XCV, wq_XKC2, attn_T_XCC, k_dec_XCK, state_decay_X = x
-        wq_S_XC2V = _tn(wq_XKC2, S_XKV)                                          # [w S ; q_dec S]
+        wq_S_XC2V = tn(wq_XKC2, S_XKV)                                          # [w S ; q_dec S]
         delta_XCV = u_XCV - wq_S_XC2V[:, :C]
-        o_XCV = wq_S_XC2V[:, C:] + _tn(attn_T_XCC, delta_XCV)
+        o_XCV = wq_S_XC2V[:, C:] + tn(attn_T_XCC, delta_XCV)
         S_in_XKV = S_XKV
-        S_XKV = S_XKV * state_decay_X[:, None, None] + _tn(k_dec_XCK, delta_XCV)
+        S_XKV = S_XKV * state_decay_X[:, None, None] + tn(k_dec_XCK, delta_XCV)
         return S_XKV, ((o_XCV, S_in_XKV) if return_chunk_states else o_XCV)
 
     xs = (u_NXCV, wq_NXKC2, attn_T_NXCC, k_dec_NXCK, state_decay_NX)

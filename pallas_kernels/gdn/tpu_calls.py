@@ -45,7 +45,7 @@ f32 = jnp.float32
 GROUP_TOKENS = 256
 
 
-def _key_head(h, rep: int):
+def key_head(h, rep: int):
     """The key head of value head h (h // rep for h >= 0). Truncating `lax.div`, not `//`: Python's
     floor division lowers through `sign`, whose Mosaic rule asks for the local TPU's generation and
     so fails in an AOT compile whose default device is a CPU."""
@@ -103,7 +103,7 @@ class BlockPlan:
         return self.block < self.chunk
 
 
-def _at_tile_start(c, rb: int):
+def at_tile_start(c, rb: int):
     """Decorator: run the body at chunks c % rb == 0 (always when rb == 1)."""
     if rb == 1:
         return lambda body: body()
@@ -115,7 +115,7 @@ def _params(n_parallel: int, sequential: bool):
     return pltpu.CompilerParams(dimension_semantics=sem)
 
 
-def _shape(q, v, aux, K: int):
+def call_dims(q, v, aux, K: int):
     B, Tp, HKK = q.shape
     _, H, N, _, C = aux.shape
     HK, V = HKK // K, v.shape[-1] // H
@@ -188,7 +188,7 @@ def _noisy_specs(qn, vn, R: int, K: int, V: int):
 
 # ------------------------------------------------------------------------------------------ phase a
 
-def _intra_kernel(*refs, cfg, G, C, with_T_in):
+def intra_kernel(*refs, cfg, G, C, with_T_in):
     if with_T_in:
         k_ref, v_ref, aux_ref, Tin_ref, w_ref, u_ref = refs
     else:
@@ -209,9 +209,9 @@ def _intra_kernel(*refs, cfg, G, C, with_T_in):
 
 def intra_call(k, v, aux, *, K: int, cfg: KernelConfig, interpret: bool, T_in=None):
     """Phase a. Returns (T [B,H,N,C,C] fp32, w [B,Tp,H*K], u [B,Tp,H*V]) or, with ``T_in``, (w, u)."""
-    B, Tp, H, HK, V, C, N, rep = _shape(k, v, aux, K)
+    B, Tp, H, HK, V, C, N, rep = call_dims(k, v, aux, K)
     G = group_size(N, C)
-    kq = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, _key_head(h, rep)))
+    kq = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, key_head(h, rep)))
     kw = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, h))
     vw = pl.BlockSpec((None, G * C, V), lambda b, h, n: (b, n, h))
     ax = pl.BlockSpec((None, None, G, AUX, C), lambda b, h, n: (b, h, n, 0, 0))
@@ -226,7 +226,7 @@ def intra_call(k, v, aux, *, K: int, cfg: KernelConfig, interpret: bool, T_in=No
         in_specs, out_specs, out_shape, args = [kq, vw, ax, tt], [kw, vw], wu_shape, (k, v, aux, T_in)
         cost = _cost(wy_step, base + (spec((C, C), f32),), cfg, B * H * N, args, out_shape)
     call = pl.pallas_call(
-        functools.partial(_intra_kernel, cfg=cfg, G=G, C=C, with_T_in=T_in is not None),
+        functools.partial(intra_kernel, cfg=cfg, G=G, C=C, with_T_in=T_in is not None),
         out_shape=out_shape, grid=(B, H, N // G), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_params(2, sequential=False), interpret=interpret,
         name="gdn_wy" if T_in is not None else "gdn_intra", cost_estimate=cost)
@@ -261,7 +261,7 @@ def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, s0_ref, *refs, cfg, with_
         o, S_new = pm.chunk_sweep(*chunk, **kw)
         if plan:   # a block starts here: read its state out while it is in VMEM
 
-            @_at_tile_start(n, plan.rb)
+            @at_tile_start(n, plan.rb)
             def _():
                 r_ref[...] = bpm.tile_readout(qn_ref[...], auxn_ref[...], S, **kw)
     if with_o:
@@ -275,7 +275,7 @@ def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, aux_ref, s0_ref, *refs, cfg, with_
 
 def _sweep_specs(H, rep, C, K, V, rev=None):
     t = (lambda n: n) if rev is None else rev
-    kq = pl.BlockSpec((None, C, K), lambda b, h, n: (b, t(n), _key_head(h, rep)))
+    kq = pl.BlockSpec((None, C, K), lambda b, h, n: (b, t(n), key_head(h, rep)))
     kw = pl.BlockSpec((None, C, K), lambda b, h, n: (b, t(n), h))
     vw = pl.BlockSpec((None, C, V), lambda b, h, n: (b, t(n), h))
     ax = pl.BlockSpec((None, None, None, AUX, C), lambda b, h, n: (b, h, t(n), 0, 0))
@@ -295,7 +295,7 @@ def _tile_specs(rep: int, R: int, K: int, V: int, rb: int, rev=None):
     block stays resident while the sweep walks its rb chunks. qn (key head), auxn, [R, V], ph."""
     t = (lambda n: n) if rev is None else rev
     tile = (lambda n: t(n)) if rb == 1 else (lambda n: jax.lax.div(t(n), jnp.int32(rb)))
-    return (pl.BlockSpec((None, R, K), lambda b, h, n: (b, tile(n), _key_head(h, rep))),
+    return (pl.BlockSpec((None, R, K), lambda b, h, n: (b, tile(n), key_head(h, rep))),
             pl.BlockSpec((None, None, None, AUX, R), lambda b, h, n: (b, h, tile(n), 0, 0)),
             pl.BlockSpec((None, R, V), lambda b, h, n: (b, tile(n), h)),
             pl.BlockSpec((None, None, None, 1, R), lambda b, h, n: (b, h, tile(n), 0, 0)))
@@ -307,7 +307,7 @@ def sweep_call(q, k, w, u, aux, s0, *, cfg: KernelConfig, interpret: bool, with_
     [B,H,N*K,V] fp32 if with_states, r [B,Tp,H*V] fp32 with ``noisy`` = (qn [B,Tp,HK*K], auxn
     [B,H,Tp/R,AUX,R], plan: BlockPlan): the history readout of every noisy token)."""
     K = s0.shape[2]
-    B, Tp, H, HK, V, C, N, rep = _shape(q, u, aux, K)
+    B, Tp, H, HK, V, C, N, rep = call_dims(q, u, aux, K)
     kq, kw, vw, ax, st, s = _sweep_specs(H, rep, C, K, V)
     out_shape, out_specs = [jax.ShapeDtypeStruct((B, H, K, V), f32)], [s]
     if with_o:
@@ -340,7 +340,7 @@ def sweep_call(q, k, w, u, aux, s0, *, cfg: KernelConfig, interpret: bool, with_
 
 # --------------------------------------------------------------------------- block mode, noisy
 
-def _noisy_forward_kernel(qn_ref, kn_ref, vn_ref, auxn_ref, r_ref, on_ref, ph_ref, *, cfg, G, R):
+def noisy_forward_kernel(qn_ref, kn_ref, vn_ref, auxn_ref, r_ref, on_ref, ph_ref, *, cfg, G, R):
     for j in range(G):  # static unroll: G independent readout tiles
         rows = pl.ds(j * R, R)
         on, ph = bm.readout_combine(qn_ref[rows, :], kn_ref[rows, :], vn_ref[rows, :], auxn_ref[j], r_ref[rows, :],
@@ -356,7 +356,7 @@ def noisy_forward_call(qn, kn, vn, auxn, r, *, K: int, cfg: KernelConfig, interp
     B, H, NT, _, R = auxn.shape
     Tp, V, rep = qn.shape[1], vn.shape[-1] // H, H // (qn.shape[-1] // K)
     G = group_size(NT, R)
-    nq = pl.BlockSpec((None, G * R, K), lambda b, h, n: (b, n, _key_head(h, rep)))
+    nq = pl.BlockSpec((None, G * R, K), lambda b, h, n: (b, n, key_head(h, rep)))
     nv = pl.BlockSpec((None, G * R, V), lambda b, h, n: (b, n, h))
     nax = pl.BlockSpec((None, None, G, AUX, R), lambda b, h, n: (b, h, n, 0, 0))
     nph = pl.BlockSpec((None, None, G, 1, R), lambda b, h, n: (b, h, n, 0, 0))
@@ -365,7 +365,7 @@ def noisy_forward_call(qn, kn, vn, auxn, r, *, K: int, cfg: KernelConfig, interp
     cost = _cost(noisy_forward_step, _noisy_specs(qn, vn, R, K, V) + (spec((R, V), f32),), cfg, B * H * NT, args,
                  out_shape)
     call = pl.pallas_call(
-        functools.partial(_noisy_forward_kernel, cfg=cfg, G=G, R=R), out_shape=out_shape, grid=(B, H, NT // G),
+        functools.partial(noisy_forward_kernel, cfg=cfg, G=G, R=R), out_shape=out_shape, grid=(B, H, NT // G),
         in_specs=[nq, nq, nv, nax, nv], out_specs=[nv, nph], compiler_params=_params(2, sequential=False),
         interpret=interpret, name="gdn_block_noisy", cost_estimate=cost)
     return tuple(call(*args))
@@ -393,7 +393,7 @@ def _state_backward_kernel(q_ref, k_ref, w_ref, aux_ref, do_ref, dfin_ref, *refs
         dS_ref[...] = pm.chunk_state_backward(*chunk, **kw)
         if plan:   # the block starting at this chunk read the state before it
 
-            @_at_tile_start(pl.num_programs(2) - 1 - n, plan.rb)
+            @at_tile_start(pl.num_programs(2) - 1 - n, plan.rb)
             def _():
                 dS_ref[...] += bpm.tile_state_backward(qn_ref[...], auxn_ref[...], ph_ref[...], don_ref[...], **kw)
     dS = dS_ref[...]
@@ -408,7 +408,7 @@ def state_backward_call(q, k, w, aux, dO, dfinal, *, cfg: KernelConfig, interpre
     [B,H,N*K,V] fp32: rows n*K:(n+1)*K = the cotangent of the state AFTER chunk n, ds0 [B,H,K,V]).
     ``noisy`` = (qn, auxn, ph, dOn, plan): block mode, the readouts' cotangents join dS."""
     K = dfinal.shape[2]
-    B, Tp, H, HK, V, C, N, rep = _shape(q, dO, aux, K)
+    B, Tp, H, HK, V, C, N, rep = call_dims(q, dO, aux, K)
     rev = lambda n: N - 1 - n  # noqa: E731
     kq, kw, vw, ax, st, s = _sweep_specs(H, rep, C, K, V, rev=rev)
     out_shape = [jax.ShapeDtypeStruct((B, H, N * K, V), f32), jax.ShapeDtypeStruct((B, H, K, V), f32)]
@@ -435,7 +435,7 @@ def state_backward_call(q, k, w, aux, dO, dfinal, *, cfg: KernelConfig, interpre
     return tuple(call(*args))
 
 
-def _parallel_backward_kernel(q_ref, k_ref, v_ref, aux_ref, T_ref, w_ref, u_ref, st_ref, dst_ref, do_ref, *refs,
+def parallel_backward_kernel(q_ref, k_ref, v_ref, aux_ref, T_ref, w_ref, u_ref, st_ref, dst_ref, do_ref, *refs,
                               cfg, G, C, K, V, rep, plan):
     n_in = 5 if plan else 0
     qn_ref, kn_ref, vn_ref, auxn_ref, don_ref = refs[:n_in] if plan else (None,) * 5
@@ -517,7 +517,7 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
     Returns (dq, dk [B,Tp,HK*K] in q's dtype, dv [B,Tp,H*V] in v's dtype, daux [B,H,N,AUX,C] fp32)
     and with ``noisy`` = (qn, kn, vn, auxn, dOn, plan) (block mode) also (dqn, dkn, dvn, dauxn)."""
     K = w.shape[-1] // aux.shape[1]
-    B, Tp, H, HK, V, C, N, rep = _shape(q, v, aux, K)
+    B, Tp, H, HK, V, C, N, rep = call_dims(q, v, aux, K)
     plan = None if noisy is None else noisy[-1]
     G = group_size(N, C, plan.rb if plan else 1)
     args, in_specs, out_specs, out_shape = parallel_backward_io(
@@ -535,7 +535,7 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
             extra = ((noisy_tile_backward_step, tile + (spec((K, V), f32), spec((R, V), dOn.dtype)), B * H * (Tp // R)),)
     cost = _cost(step, specs, cfg, B * H * N, args, out_shape, extra)
     call = pl.pallas_call(
-        functools.partial(_parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep, plan=plan),
+        functools.partial(parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep, plan=plan),
         out_shape=out_shape, grid=(B, HK, N // G), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_params(2, sequential=False), interpret=interpret,
         name="gdn_block_parallel_bwd" if plan else "gdn_parallel_bwd", cost_estimate=cost)

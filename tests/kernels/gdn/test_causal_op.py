@@ -239,7 +239,7 @@ def test_head_padding_is_exact_for_the_phase_kernels(monkeypatch, form):
     to pad dk 12 -> 16 and dv 6 -> 16 in the interpreter: outputs and gradients equal the reference's."""
     x = make_case(B=1, T=32, HK=1, H=3, DK=12, DV=6, seed=9)
     xg = dict(x, q=x["q"][:, :, :1], k=x["k"][:, :, :1])
-    monkeypatch.setattr(causal_op, "_kernel_dims", lambda form, interpret, H, K, V: (16, 16))
+    monkeypatch.setattr(causal_op, "kernel_dims", lambda form, interpret, H, K, V: (16, 16))
     fn = functools.partial(chunk_gated_delta_rule_pallas, interpret=True, interpret_form=form)
     o, s, grads = loss_and_grads(fn, xg, None, 16)
     o_r, s_r, g_r = loss_and_grads(chunk_gated_delta_rule_ref, xg, None, 16)
