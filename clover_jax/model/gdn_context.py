@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from clover_jax.model.gdn import CONV_PARTS, block_rings
+from clover_jax.model.gdn_conv import CONV_PARTS, block_rings
 from clover_jax.parallel import sharding as sh
 from pallas_kernels.context.layout import from_piece_rows, pieces, to_piece_rows
 from pallas_kernels.context.axis import CONTEXT_AXIS, RowSpecs, first_piece, from_previous_piece, over_rows, row_specs
@@ -76,7 +76,7 @@ def clean_forward(layer, x_BTD: jax.Array, ctx: dict[str, Any], empty_segment: i
         parts = {"q": q, "k": k, "v": v}
         parts, seg_r = {p: to_piece_rows(x, npc) for p, x in parts.items()}, to_piece_rows(seg, npc)
         rings, ring_seg = _halo(parts, seg_r, lring, empty_segment, layout)
-        conv = {p: from_piece_rows(x, npc) for p, x in layer._conv_parts(parts, seg_r, rings, ring_seg, w).items()}
+        conv = {p: from_piece_rows(x, npc) for p, x in layer.conv_parts(parts, seg_r, rings, ring_seg, w).items()}
         qh, kh, vh = layer.heads(conv, repeat=False)
         o, _ = shard_chunk_gdn(qh, kh, vh, g, beta, seg, _zero_state(vh, c.linear_key_head_dim),
                                has_initial_state=False, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend,
@@ -113,10 +113,10 @@ def two_stream(layer, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
         n = tp // bk
         clean, noisy = {"q": rows(cq), "k": rows(ck), "v": rows(cv)}, {"q": rows(nq), "k": rows(nk), "v": rows(nv)}
         rings, ring_seg = _halo(clean, seg_r, lring, empty, layout)
-        conv_c = layer._conv_parts(clean, seg_r, rings, ring_seg, w)
+        conv_c = layer.conv_parts(clean, seg_r, rings, ring_seg, w)
         blocks = lambda a: a.reshape((r * n, bk) + a.shape[2:])  # noqa: E731
         ring_parts = {p: block_rings(clean[p], seg_r, bk, lring, empty, halo=(rings[p], ring_seg)) for p in CONV_PARTS}
-        conv_n = layer._block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg_r),
+        conv_n = layer.block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg_r),
                                          {p: r_ for p, (r_, _) in ring_parts.items()}, ring_parts["q"][1], w)
         back = lambda a: from_piece_rows(a.reshape(r, tp, -1), npc)  # noqa: E731
         q_c, k_c, v_c = layer.heads({p: back(x) for p, x in conv_c.items()}, repeat=False)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax.model.gdn import block_conv, causal_conv, right_conv
+from clover_jax.model.gdn_conv import block_conv, causal_conv, right_conv
 from pallas_kernels import block_gated_delta_rule_ref, chunk_gated_delta_rule_ref
 from tests.model.parity_utils import FP32_REL, assert_rel_close
 
@@ -146,7 +146,7 @@ def test_block_conv_reads_clean_ring_before_block():
     """block_rings: block n's ring holds the CLEAN inputs of the L slots before it, an empty ring
     (segment `empty_seg`) before the row start. What the two-stream layer reads through it is in
     `test_two_stream_noisy_block_reads_its_block_and_the_clean_ring_only`."""
-    from clover_jax.model.gdn import block_rings
+    from clover_jax.model.gdn_conv import block_rings
 
     rng = np.random.default_rng(4)
     b, t, c, bk, lring = 1, 8, 3, 4, 3
@@ -242,7 +242,8 @@ def test_block_step_decoding_equals_float64_oracle():
     with the history unit) fed with a float64 loop conv of the noisy stream. Projections, heads,
     gates and the output norm are the layer's own (checked against HF elsewhere). Every block is
     compared, the first (no history) included. Criterion: the suite's fp32 one (1e-5 * max|ref|)."""
-    from clover_jax.model.gdn import CONV_PARTS, init_gdn_cache
+    from clover_jax.model.gdn import init_gdn_cache
+    from clover_jax.model.gdn_conv import CONV_PARTS
     from clover_jax.model.clover_model import NO_SEGMENT
 
     cfg, layer = _block_layer(1)
@@ -270,7 +271,7 @@ def test_block_step_decoding_equals_float64_oracle():
     mix_c, mix_n = layer.mix_inputs(x_c), layer.mix_inputs(x_n)
     empty = jnp.full((1, lring), NO_SEGMENT, jnp.int32)
     zeros = {p: jnp.zeros((1, lring, mix_c[p].shape[-1])) for p in CONV_PARTS}
-    q, k, v = layer.heads(layer._conv_parts(mix_c, seg, zeros, empty))
+    q, k, v = layer.heads(layer.conv_parts(mix_c, seg, zeros, empty))
     g, beta = layer.gates(mix_c["b"], mix_c["a"])
     conv_n = {}
     for p in CONV_PARTS:
