@@ -215,13 +215,19 @@ def test_every_module_has_a_room(found):
     assert not homeless, f"modules on no floor of FLOORS (give each a room): {homeless}"
 
 
+def assert_only_known(found: list, known: dict, name: str, what: str, show) -> None:
+    """Fails on a finding not in `known` (`what`, each line by `show`) and on an entry of `known`
+    (named `name`) no longer found: the known lists only shrink."""
+    new = [f for f in found if f not in known]
+    assert not new, what + ":\n" + "\n".join("  " + show(f) for f in new)
+    gone = [k for k in known if k not in found]
+    assert not gone, f"{name} no longer needed, delete them: {gone}"
+
+
 def test_no_upward_import(found):
-    bad, _ = found
-    new = [b for b in bad if b not in KNOWN_EXCEPTIONS]
-    assert not new, "imports against the one-way rule (docs/architecture.md):\n" + "\n".join(
-        f"  {a} -> {b}  ({room_of(a)} may not import {room_of(b)})" for a, b in new)
-    gone = [k for k in KNOWN_EXCEPTIONS if k not in bad]
-    assert not gone, f"KNOWN_EXCEPTIONS no longer needed, delete them: {gone}"
+    assert_only_known(found[0], KNOWN_EXCEPTIONS, "KNOWN_EXCEPTIONS",
+                      "imports against the one-way rule (docs/architecture.md)",
+                      lambda f: f"{f[0]} -> {f[1]}  ({room_of(f[0])} may not import {room_of(f[1])})")
 
 
 def test_checker_sees_upward_deferred_relative_and_from_package_imports():
@@ -246,21 +252,14 @@ def test_checker_sees_upward_deferred_relative_and_from_package_imports():
 
 
 def test_no_import_circle(sources):
-    found = circles(import_graph(sources))
-    new = [c for c in found if c not in KNOWN_CIRCLES]
-    assert not new, "modules that import each other (move what both need into a third module):\n" + "\n".join(
-        "  " + " <-> ".join(c) for c in new)
-    gone = [k for k in KNOWN_CIRCLES if k not in found]
-    assert not gone, f"KNOWN_CIRCLES no longer needed, delete them: {gone}"
+    assert_only_known(circles(import_graph(sources)), KNOWN_CIRCLES, "KNOWN_CIRCLES",
+                      "modules that import each other (move what both need into a third module)", " <-> ".join)
 
 
 def test_no_private_name_of_another_module(sources):
-    found = private_imports(sources)
-    new = [f for f in found if f not in KNOWN_PRIVATE]
-    assert not new, "private names imported from another module (make them public where they live):\n" + "\n".join(
-        f"  {a} takes {b}" for a, b in new)
-    gone = [k for k in KNOWN_PRIVATE if k not in found]
-    assert not gone, f"KNOWN_PRIVATE no longer needed, delete them: {gone}"
+    assert_only_known(private_imports(sources), KNOWN_PRIVATE, "KNOWN_PRIVATE",
+                      "private names imported from another module (make them public where they live)",
+                      lambda f: f"{f[0]} takes {f[1]}")
 
 
 def test_checker_sees_circles_and_private_names():
