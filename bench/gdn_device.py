@@ -138,7 +138,7 @@ def kernel_times(T: int, H: int, dk: int, dv: int, repeats: int, interpret: bool
     one row of H heads): where the fwd / fwd+bwd time goes, for tuning the launch table."""
     from pallas_kernels.gdn import gpu_calls as g
     from pallas_kernels.gdn.causal_op import prepare
-    from pallas_kernels.gdn.tpu_calls import KernelConfig
+    from pallas_kernels.gdn.kernel_bodies import KernelConfig
 
     x, bf = make_case(T, H, dk, dv), jnp.bfloat16
     q, k, v, aux, s0 = prepare(*(jnp.asarray(x[n], bf) for n in ("q", "k", "v")), x["g"], x["beta"], x["s0"],

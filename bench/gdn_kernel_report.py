@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from pallas_kernels.gdn import tpu_calls
 from pallas_kernels.gdn import gpu_calls
 from pallas_kernels.gdn.chunk_math import AUX_WIDTH
-from pallas_kernels.gdn.tpu_calls import KernelConfig
+from pallas_kernels.gdn.kernel_bodies import BlockPlan, KernelConfig
 
 SEQUENTIAL = {"gdn_sweep", "gdn_state_bwd", "gdn_block_sweep", "gdn_block_state_bwd",
               "gdn_gpu_sweep", "gdn_gpu_state_bwd", "gdn_gpu_block_state_bwd"}
@@ -176,7 +176,7 @@ def block(form: str, B, T, H, HK, K, V, C):
     n = _noisy(x, B, T, H, HK, K, V, C)
     cfg = KernelConfig(chunk_size=C, scale=K ** -0.5, low_dtype="bfloat16")
     kw = dict(cfg=cfg, interpret=False)
-    plan = tpu_calls.BlockPlan(BLOCK, C)
+    plan = BlockPlan(BLOCK, C)
 
     def tpu(q, k, v, aux, s0, dO, qn, auxn, ph):
         Tinv, w, u = tpu_calls.intra_call(k, v, aux, K=K, **kw)

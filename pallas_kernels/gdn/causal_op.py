@@ -41,7 +41,8 @@ from jax.sharding import PartitionSpec as P
 from . import chunk_math as cm
 from . import gpu_calls as phase_gpu
 from ..common import sharding
-from .tpu_calls import KernelConfig, intra_call, parallel_backward_call, state_backward_call, sweep_call
+from .kernel_bodies import KernelConfig
+from .tpu_calls import intra_call, parallel_backward_call, state_backward_call, sweep_call
 from .reference import check_inputs, masked_exp, reset_flags, segmented_cumsum
 
 f32 = jnp.float32

@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from . import block_phase_math as bpm
 from . import phase_math as pm
 from .chunk_math import AUX_WIDTH as AUX
-from .tpu_calls import (
+from .kernel_bodies import (
     KernelConfig, at_tile_start, intra_kernel, key_head, noisy_forward_kernel, parallel_backward_kernel,
     call_dims, parallel_backward_io,
 )

@@ -167,7 +167,7 @@ def test_cuda_lowering_block_fwd_bwd():
 def test_gpu_launch_table():
     """Every entry's Triton options are valid (powers of two, dv tiles >= 16 dividing dv); other shapes
     take the default; ``block_v`` overrides the tile and must divide dv."""
-    from pallas_kernels.gdn.tpu_calls import KernelConfig
+    from pallas_kernels.gdn.kernel_bodies import KernelConfig
     p2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     for (dk, dv, C), lc in gpu_calls.LAUNCH.items():
         assert all(map(p2, (dk, dv, C, lc.sweep_warps, lc.parallel_warps, lc.backward_warps, lc.block_v))) and 16 <= lc.block_v <= dv
