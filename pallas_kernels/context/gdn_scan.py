@@ -42,7 +42,7 @@ from jax import lax
 
 from ..gdn import ops as gdn_ops
 from ..gdn.block_reference import block_masks, block_readout_ref
-from ..gdn.reference import repeat_key_heads
+from ..gdn.inputs import repeat_key_heads
 from .axis import (CONTEXT_AXIS, context_size, first_piece, from_previous_piece, in_row_order, my_pieces, over_rows,
                    pick_pieces, row_specs)
 from .layout import from_piece_rows, pieces, to_piece_rows

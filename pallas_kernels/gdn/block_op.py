@@ -36,7 +36,7 @@ from . import gpu_calls as phase_gpu
 from .causal_op import INTERPRET_FORMS, kernel_dims, prepare, select_form, on_value_heads, pad_heads
 from .kernel_bodies import BlockPlan, KernelConfig
 from .tpu_calls import intra_call, noisy_forward_call, parallel_backward_call, state_backward_call, sweep_call
-from .reference import check_inputs, reset_flags
+from .inputs import check_inputs, reset_flags
 
 f32 = jnp.float32
 

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .reference import reset_flags, chunk_gated_delta_rule_ref, repeat_key_heads
+from .inputs import repeat_key_heads, reset_flags
+from .reference import chunk_gated_delta_rule_ref
 
 _HI = lax.Precision.HIGHEST
 

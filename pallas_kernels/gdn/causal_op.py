@@ -43,7 +43,8 @@ from . import gpu_calls as phase_gpu
 from ..common import sharding
 from .kernel_bodies import KernelConfig
 from .tpu_calls import intra_call, parallel_backward_call, state_backward_call, sweep_call
-from .reference import check_inputs, masked_exp, reset_flags, segmented_cumsum
+from .inputs import check_inputs, reset_flags
+from .reference import masked_exp, segmented_cumsum
 
 f32 = jnp.float32
 INTERPRET_FORMS = ("tpu", "gpu")
