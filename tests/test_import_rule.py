@@ -43,11 +43,7 @@ PROJECT_ROOTS = {r.split(".")[0] for floor in FLOORS for r in floor}
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 #: Import circles that exist today (each as its sorted modules), with the way out; only shrinks.
-KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
-    ("clover_jax.decoding.calibrate", "clover_jax.decoding.calibrate_fit"):
-        "FitConfig moves into calibrate.py (or the shared configs into their own module) once the "
-        "decoding edits under way land",
-}
+KNOWN_CIRCLES: dict[tuple[str, ...], str] = {}
 
 #: Private names imported from another module today, (importer, "module._name"), with the way out.
 KNOWN_PRIVATE: dict[tuple[str, str], str] = {
