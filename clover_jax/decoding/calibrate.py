@@ -475,5 +475,5 @@ def _json_default(o: Any) -> Any:
 
 
 __all__ = ["CalibOverride", "CalibrateConfig", "EvalSetConfig", "FitConfig", "LossEvalConfig", "SweepConfig",
-           "build_examples", "block_logits_fn", "eval_records", "history_position_table", "load_calibrate_config", "masked_loss_table",
-           "pareto_front", "run_calibrate", "run_setting", "scalar_table", "settings"]
+           "build_examples", "block_logits_fn", "eval_records", "history_position_table", "load_calibrate_config",
+           "masked_loss_table", "pareto_front", "run_calibrate", "run_setting", "scalar_table", "settings"]
