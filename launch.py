@@ -143,7 +143,7 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
         setup = SFTSetup(cfg=cfg, model_cfg=mcfg, kind="abstract", init_path=None, tok_dir=None, data=None,
                          mesh=mesh, graphdef=graphdef, optimizer=optimizer, param_shardings=p_sh,
                          state_shardings=state_sh, abstract_state=state)
-        # the TPU GDN kernels run dk, dv padded to whole 128-lane tiles (gdn_pallas._padded_dims)
+        # the TPU GDN kernels run dk, dv padded to whole 128-lane tiles (gdn.causal_op._padded_dims)
         flops = sft_step_flops(mcfg, rows=rows, seq_len=t, block_size=bk, copies=copies, remat=resolve_remat(policy),
                                gdn_lanes=128, flash_backward=mcfg.attn_backend in ("splash", "flash"))
         plans.append(compile_plan(

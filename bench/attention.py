@@ -32,8 +32,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels.attention_dispatch import stream_attention  # noqa: E402
-from pallas_kernels.attention_splash import NoisyBlockMask  # noqa: E402
+from pallas_kernels.attention.ops import stream_attention  # noqa: E402
+from pallas_kernels.attention.splash import NoisyBlockMask  # noqa: E402
 
 H, K, D, BLOCK = 16, 2, 256, 32
 GiB = 1024**3

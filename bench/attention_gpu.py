@@ -16,7 +16,7 @@ the block rule over 2T keys, block 32), on one packed row (3 documents on the bl
   where its dense scores would not fit (--dense-max-gib).
 - model: the tiny preset in block mode (1 GDN + 1 full-attention layer, T = 64), the two-stream
   SFT loss and its gradient w.r.t. every parameter, flash vs reference, fp32. Not in --smoke (its
-  CPU compile alone takes about 40 s; tests/kernels/test_attention_kernels.py checks the same
+  CPU compile alone takes about 40 s; tests/kernels/attention/test_ops.py checks the same
   parity in interpret mode); ``--model`` adds it there.
 
 It writes the JSON after every row (``--out``, default ``$OUT/attention_gpu.json`` when ``$OUT`` is
@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import best_time  # noqa: E402
-from pallas_kernels.attention_dispatch import stream_attention  # noqa: E402
+from pallas_kernels.attention.ops import stream_attention  # noqa: E402
 
 BLOCK = 32
 GiB = 1024**3

@@ -23,8 +23,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.forward import timeit  # noqa: E402
-from pallas_kernels.attention_reference import attend, two_stream_masks  # noqa: E402
-from pallas_kernels.attention_spans import attend_spans, causal_spans, noisy_spans  # noqa: E402
+from pallas_kernels.attention.reference import attend, two_stream_masks  # noqa: E402
+from pallas_kernels.attention.spans import attend_spans, causal_spans, noisy_spans  # noqa: E402
 
 
 def variants(stream: str, t: int, block: int, chunk_counts: list[int]):

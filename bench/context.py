@@ -6,7 +6,7 @@ Program: one full-attention layer's attention core at the agent_mix shapes (16 q
 heads, head dim 256, bf16, block 32), both training streams (clean: causal in-document; noisy: the
 block rule over the gathered clean keys and the shard's own noisy keys), forward + backward, one row
 of T tokens split over `context` = n chips (a mesh of that one axis), the splash kernel per shard
-(`pallas_kernels.attention_context_kernels`), both streams over one exchange, as the model runs them
+(`pallas_kernels.context.attention_kernels`), both streams over one exchange, as the model runs them
 (`context_two_stream_attention`). Without the axis this program has no collective at all
 (the row stays on one chip), so every collective byte in it is added by context parallelism.
 
@@ -18,7 +18,7 @@ cotangents summed on the chip first. The noisy K/V never travel. XLA:TPU may wri
 an all-reduce of the same operand (twice the ring traffic): the table shows what the program holds.
 
 Both layouts (`--layouts`): under zig-zag each shard holds row pieces i and 2n - 1 - i and splash
-runs the shard's own block tables (`pallas_kernels.attention_splash_rows`); the K/V exchange is the
+runs the shard's own block tables (`pallas_kernels.context.splash_rows`); the K/V exchange is the
 same all-gather (the pieces put in row order on the chip), so the analytic bytes are the same; the
 splash FLOPs per chip (what the shard's kernels run) fall to about the causal share.
 
@@ -52,8 +52,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from pallas_kernels.attention_context_kernels import sharded_stream_attention  # noqa: E402
-from pallas_kernels.attention_splash import LANES, kernel_cost  # noqa: E402
+from pallas_kernels.context.attention_kernels import sharded_stream_attention  # noqa: E402
+from clover_jax.model.splash_cost import kernel_cost  # noqa: E402
+from pallas_kernels.attention.splash import LANES  # noqa: E402
 from train import hlo_cost  # noqa: E402
 
 H, K, D, BLOCK = 16, 2, 256, 32
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"TPU AOT PREDICTION ({a.topology}, libtpu on a CPU host; nothing runs): one full-attention layer's core, "
           f"both streams, fwd+bwd, 1 row of T = {a.seq}, H {H} / KV {K}, head dim {D}, bf16, block {BLOCK}, splash "
           "per context shard. Collective bytes per chip (a gather's result, a scatter's operand); splash FLOPs per "
-          "chip: the tiles the shard's kernels run (`attention_splash.kernel_cost`).")
+          "chip: the tiles the shard's kernels run (`clover_jax.model.splash_cost.kernel_cost`).")
     print(f"{'n':>3}{'layout':>12}{'kind':>16}{'HLO MiB':>11}{'analytic MiB':>14}{'HLO/analytic':>14}{'ICI MiB':>10}")
     rows = []
     for n in (int(x) for x in a.contexts.split(",")):

@@ -20,7 +20,6 @@ import argparse
 import multiprocessing as mp
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -33,24 +32,7 @@ from flax import nnx  # noqa: E402
 
 from clover_jax.config import get_preset  # noqa: E402
 from clover_jax.model.clover_model import create_model  # noqa: E402
-
-
-def timeit(fn, repeats: int) -> float:
-    fn()  # warm-up / compile
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def in_own_process(fn, *args):
-    """`fn(*args)` in a fresh (spawned) process: torch gets the cores to itself. Run after JAX in the
-    same process, torch's per-module times came out several-fold slow (XLA's CPU thread pool is
-    still there), so the torch side of every comparison runs in its own process."""
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+from common import chunked_ce, timeit  # noqa: E402  (bench/ is on sys.path: the script's folder)
 
 
 def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
@@ -85,15 +67,6 @@ def jax_loss(m, x, loss: str):
         lp = jax.nn.log_softmax(m(x[:, :-1]), axis=-1)
         return -jnp.mean(jnp.take_along_axis(lp, x[:, 1:, None], axis=-1))
     return chunked_ce(m, m.hidden_states(x[:, :-1])[0], x[:, 1:])
-
-
-def chunked_ce(m, h_BTD, targets_BT):
-    """Mean CE of final-normed hidden states against targets by the library's chunked CE."""
-    from sft.loss import weighted_ce
-
-    w = m.embed.embedding[...].T if m.cfg.tie_word_embeddings else m.lm_head.kernel[...]
-    mask = jnp.ones(targets_BT.shape, bool)
-    return weighted_ce(h_BTD, w, targets_BT, mask / mask.size, mask)[0]
 
 
 def jax_steps(cfg, ids_np, loss="chunked"):

@@ -4,7 +4,7 @@ random input [B, T, D]; fwd+bwd is the gradient of `sum(out * cotangent)` w.r.t.
 parameters and its input (what the module costs inside the full backward). The `full model` row
 is the scanned stack with embedding, lm_head and loss (bench/forward.py's own measurement).
 
-The torch modules run in their own process (`forward.in_own_process`): right after JAX in the same
+The torch modules run in their own process (`common.in_own_process`): right after JAX in the same
 process their times came out several-fold slow (rmsnorm tens of ms)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from flax import nnx
 
 from clover_jax.model import moe as moe_lib
 from clover_jax.model.clover_model import create_model
-from forward import chunked_ce, in_own_process, timeit as _best  # bench/ is on sys.path when forward.py runs
+from common import chunked_ce, in_own_process, timeit as _best  # bench/ is on sys.path when forward.py runs
 
 
 def _jax_pair(module: nnx.Module, fn: Callable, x: jax.Array, repeats: int) -> tuple[float, float]:

@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref  # noqa: E402
-from pallas_kernels.gdn_reference import _tn  # noqa: E402
+from pallas_kernels.gdn.reference import tn  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -92,7 +92,7 @@ def dots_only_forward(T: int, H: int, dk: int, dv: int, C: int = 64, repeats: in
     X = N * H
     rng = np.random.default_rng(1)
     rnd = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
-    tn = _tn  # the reference's own matmul
+    tn = tn  # the reference's own matmul
     args = (rnd(X, dk, C), rnd(X, dk, C), rnd(X, C, dk), rnd(X, C, dv), rnd(X, C, C), rnd(H, dk, dv))
 
     def fwd(qT, kT, k, v, t, s0):

@@ -40,7 +40,7 @@ and layer, before -> after): clean 440 -> 32, block 752 -> 32, with the referenc
 the Pallas kernels (the analytic count exactly); at T = 32768 with Pallas per shard: 32 MiB too.
 
 `--modes ...,layer` also compiles the whole block-mode layer (`compile_layer`), its input in the
-model's two-stream layout (`pallas_kernels/stream_layout.py`: each context shard holds the clean and
+model's two-stream layout (`pallas_kernels/context/stream_layout.py`: each context shard holds the clean and
 noisy tokens of the same positions). At T = 4096, MiB per chip: collective-permute 18.1 (a weight
 gradient's re-layout and the conv halo) and no all-to-all; with the earlier clean || noisy layout
 (2T contiguous over `context`: each stream on half the chips, re-laid over all of them at every
@@ -65,7 +65,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from pallas_kernels.gdn_context import context_block_gated_delta_rule, context_chunk_gated_delta_rule  # noqa: E402
+from pallas_kernels.context.gdn_scan import context_block_gated_delta_rule, context_chunk_gated_delta_rule  # noqa: E402
 from train import hlo_cost  # noqa: E402
 
 H, HK, DK, DV, CHUNK, BLOCK = 32, 16, 128, 128, 64, 32

@@ -9,8 +9,8 @@ On a lent H200 (its image has jax with the CUDA plugin; nothing else of ours is 
 bench/results/gdn_device_h200_fp32check.json; the bf16 results are bench/results/gdn_device_h200.json).
 
 The kernels are the phase split on both platforms (issue 17): on a GPU the Triton kernels of
-``pallas_kernels/gdn_phase_gpu.py`` with the launch options of its table for (dk, dv, chunk) (recorded
-in the JSON's meta), on a TPU the Mosaic kernels of ``gdn_phase_calls.py``.
+``pallas_kernels/gdn/gpu_calls.py`` with the launch options of its table for (dk, dv, chunk) (recorded
+in the JSON's meta), on a TPU the Mosaic kernels of ``gdn/tpu_calls.py``.
 
 For each T and each op (``causal``: ``chunk_gated_delta_rule``; ``block``: ``block_gated_delta_rule``
 with block 32, chunk 64, both streams), on one packed row (3 documents) with an initial state:
@@ -134,14 +134,14 @@ def run_op(op: str, x: dict[str, np.ndarray], time_dtype, interpret: bool | None
 
 
 def kernel_times(T: int, H: int, dk: int, dv: int, repeats: int, interpret: bool) -> dict[str, float]:
-    """Best time (s) of each GPU phase kernel of the causal op alone (``gdn_phase_gpu``, bf16 q / k / v,
+    """Best time (s) of each GPU phase kernel of the causal op alone (``gdn.gpu_calls``, bf16 q / k / v,
     one row of H heads): where the fwd / fwd+bwd time goes, for tuning the launch table."""
-    from pallas_kernels import gdn_phase_gpu as g
-    from pallas_kernels.gdn_pallas import _prepare
-    from pallas_kernels.gdn_phase_calls import KernelConfig
+    from pallas_kernels.gdn import gpu_calls as g
+    from pallas_kernels.gdn.causal_op import prepare
+    from pallas_kernels.gdn.kernel_bodies import KernelConfig
 
     x, bf = make_case(T, H, dk, dv), jnp.bfloat16
-    q, k, v, aux, s0 = _prepare(*(jnp.asarray(x[n], bf) for n in ("q", "k", "v")), x["g"], x["beta"], x["s0"],
+    q, k, v, aux, s0 = prepare(*(jnp.asarray(x[n], bf) for n in ("q", "k", "v")), x["g"], x["beta"], x["s0"],
                                 x["seg"], CHUNK)
     dO = jnp.asarray(x["w_o"], bf).reshape(1, T, H * dv)
     kw = dict(cfg=KernelConfig(chunk_size=CHUNK, scale=dk ** -0.5, low_dtype="bfloat16"), interpret=interpret)
@@ -173,7 +173,7 @@ def tune_launch(T: int, H: int, dk: int, dv: int, repeats: int, budget_s: float,
     """The phase kernels timed alone under each launch variant of TUNE_VARIANTS (the table's entry for
     (dk, dv, chunk), or the default launch, changed by the variant, restored after): the data for the launch table. A
     variant that fails to compile is recorded with its error; none starts after ``budget_s``."""
-    from pallas_kernels import gdn_phase_gpu as g
+    from pallas_kernels.gdn import gpu_calls as g
     key, rows, start = (dk, dv, CHUNK), [], time.perf_counter()
     saved, base = g.LAUNCH.get(key), g.launch_for(*key)
     try:
@@ -238,10 +238,10 @@ def main(argv: list[str] | None = None) -> dict:
             "B": 1, "H": args.heads, "dk": args.dk, "dv": args.dv, "block": BLOCK, "chunk": CHUNK,
             "time_dtype": args.time_dtype, "check_dtype": args.check_dtype, "repeats": args.repeats}
     if dev.platform == "gpu":
-        from pallas_kernels import gdn_phase_gpu
-        launch = gdn_phase_gpu.launch_for(args.dk, args.dv, CHUNK)
+        from pallas_kernels.gdn import gpu_calls
+        launch = gpu_calls.launch_for(args.dk, args.dv, CHUNK)
         meta["gpu_launch"] = {**dataclasses.asdict(launch),
-                              "from_table": (args.dk, args.dv, CHUNK) in gdn_phase_gpu.LAUNCH}
+                              "from_table": (args.dk, args.dv, CHUNK) in gpu_calls.LAUNCH}
     print(f"jax {jax.__version__} on {meta['device']}; H={args.heads} dk={args.dk} dv={args.dv}"
           + (f"; launch {meta['gpu_launch']}" if "gpu_launch" in meta else ""), flush=True)
     report = {"meta": meta, "rows": [], "skipped": []}

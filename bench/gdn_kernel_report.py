@@ -1,5 +1,5 @@
 """Structure of the GDN's phase-split kernels (issue 17) in both forms, TPU (Mosaic,
-``gdn_phase_calls``) and GPU (Triton, ``gdn_phase_gpu``), read from the kernels themselves: no timing,
+``gdn.tpu_calls``) and GPU (Triton, ``gdn.gpu_calls``), read from the kernels themselves: no timing,
 runs on CPU. (The one-step-per-chunk kernels this replaced, with the inverse inside every sequential
 step, are gone; their rows are in the git history of bench/results/gdn_kernel_report.json.)
 
@@ -32,10 +32,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gdn_phase_calls as tpu_calls
-from pallas_kernels import gdn_phase_gpu as gpu_calls
-from pallas_kernels.gdn_chunk_math import AUX_WIDTH
-from pallas_kernels.gdn_phase_calls import KernelConfig
+from pallas_kernels.gdn import tpu_calls
+from pallas_kernels.gdn import gpu_calls
+from pallas_kernels.gdn.chunk_math import AUX_WIDTH
+from pallas_kernels.gdn.kernel_bodies import BlockPlan, KernelConfig
 
 SEQUENTIAL = {"gdn_sweep", "gdn_state_bwd", "gdn_block_sweep", "gdn_block_state_bwd",
               "gdn_gpu_sweep", "gdn_gpu_state_bwd", "gdn_gpu_block_state_bwd"}
@@ -142,7 +142,7 @@ def _label(rows, suffixes):
 
 
 def causal(form: str, B, T, H, HK, K, V, C):
-    """The causal fwd + bwd of one form, as gdn_pallas composes it."""
+    """The causal fwd + bwd of one form, as gdn.causal_op composes it."""
     x = shapes(B, T, H, HK, K, V, C)
     cfg = KernelConfig(chunk_size=C, scale=K ** -0.5, low_dtype="bfloat16")
     kw = dict(cfg=cfg, interpret=False)
@@ -176,7 +176,7 @@ def block(form: str, B, T, H, HK, K, V, C):
     n = _noisy(x, B, T, H, HK, K, V, C)
     cfg = KernelConfig(chunk_size=C, scale=K ** -0.5, low_dtype="bfloat16")
     kw = dict(cfg=cfg, interpret=False)
-    plan = tpu_calls.BlockPlan(BLOCK, C)
+    plan = BlockPlan(BLOCK, C)
 
     def tpu(q, k, v, aux, s0, dO, qn, auxn, ph):
         Tinv, w, u = tpu_calls.intra_call(k, v, aux, K=K, **kw)

@@ -76,13 +76,13 @@ class ModelConfig:
     gdn_backend: Literal["auto", "pallas", "reference"] = "auto"
     # full attention of the training streams: "splash" = the TPU splash kernel, "flash" = our GPU
     # (Pallas Triton) flash kernel (both interpreted off their platform), "reference" = dense jnp,
-    # "auto" = splash on TPU, flash on GPU, else reference (pallas_kernels.attention_dispatch)
+    # "auto" = splash on TPU, flash on GPU, else reference (pallas_kernels.attention.ops)
     attn_backend: Literal["auto", "splash", "flash", "reference"] = "auto"
     moe_impl: Literal["auto", "ragged", "blocked", "capacity", "dense"] = "auto"
     moe_dispatch: Literal["ragged_a2a", "ring"] = "ragged_a2a"  # expert-parallel dispatch under a mesh
     # order of a row's tokens over the `context` mesh axis (used only when it is > 1): "contiguous"
     # shards, or "zigzag" (shard i holds row pieces i and 2n-1-i: equal causal attention work per
-    # shard; pallas_kernels.context_layout)
+    # shard; pallas_kernels.context.layout)
     context_layout: Literal["contiguous", "zigzag"] = "contiguous"
     scan_layers: bool = True
     remat: str = "none"  # activation checkpointing of each layer group: a clover_jax.parallel.remat policy name
@@ -133,11 +133,11 @@ class ModelConfig:
             sizes = self.block_size
         if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ModelConfigError(f"block_size must be a positive int or a non-empty list of them, got {self.block_size!r}")
-        from pallas_kernels.attention_dispatch import ATTN_BACKENDS
+        from pallas_kernels.attention.ops import ATTN_BACKENDS
 
         if self.attn_backend not in ATTN_BACKENDS:
             raise ModelConfigError(f"attn_backend: unknown backend {self.attn_backend!r} (known: {', '.join(ATTN_BACKENDS)})")
-        from pallas_kernels.context_layout import LAYOUTS
+        from pallas_kernels.context.layout import LAYOUTS
 
         if self.context_layout not in LAYOUTS:
             raise ModelConfigError(f"context_layout: unknown layout {self.context_layout!r} (known: {', '.join(LAYOUTS)})")

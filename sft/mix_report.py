@@ -56,13 +56,13 @@ def open_mix(cfg: SFTConfig) -> SFTData:
     """The recipe's SFTData without reading weights or writing an init checkpoint: the tokenizer and
     architecture come from `model.init_from` when it exists here, else the built-in Qwen3.6 tokenizer
     and the preset / overrides."""
-    from sft.recipe import _source, open_data
+    from sft.recipe import data_source, open_data
 
     check_data_root(cfg)
     init = Path(cfg.model.init_from) if cfg.model.init_from else None
     ck_cfg = tok_dir = None
     if init is not None and init.exists():
-        _, _, ck_cfg, tok_dir = _source(cfg)
+        _, _, ck_cfg, tok_dir = data_source(cfg)
     return open_data(cfg, model_config_from(cfg.model, ck_cfg), tok_dir)
 
 

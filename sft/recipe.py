@@ -38,8 +38,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from clover_jax.parallel import sharding as sh
-from clover_jax.parallel.context import check_context_split
-from pallas_kernels.context_layout import pieces as context_pieces
+from pallas_kernels.context.split import check_context_split
+from pallas_kernels.context.layout import pieces as context_pieces
 from clover_jax.config import ModelConfig
 from clover_jax.model.clover_model import abstract_model, check_block_aligned, create_model, model_from_params, model_to_params
 from clover_jax.yaml_config import ConfigError, to_tree
@@ -86,7 +86,7 @@ def generate_init_checkpoint(cfg: SFTConfig) -> Path:
     return out
 
 
-def _source(cfg: SFTConfig) -> tuple[str, Path | None, ModelConfig | None, Path | None]:
+def data_source(cfg: SFTConfig) -> tuple[str, Path | None, ModelConfig | None, Path | None]:
     """(kind "hf" | "orbax" | "random", init path, the checkpoint's config, dir to take the
     tokenizer from)."""
     spec = cfg.model
@@ -328,7 +328,7 @@ def prepare(cfg: SFTConfig) -> SFTSetup:
     from train.optimizer import build_optimizer
 
     check_data_root(cfg)  # before the init checkpoint is read or written
-    kind, path, ck_cfg, tok_dir = _source(cfg)
+    kind, path, ck_cfg, tok_dir = data_source(cfg)
     mcfg = model_config_from(cfg.model, ck_cfg)
     mcfg = mcfg.replace(param_dtype=cfg.train.param_dtype)
     if cfg.vocab_subset.enabled:

@@ -13,9 +13,9 @@ FLOPs (a matmul of m x k by k x n = 2mkn), per token of either stream:
   its block and the bs noisy keys of it: T (T + bs) / 2 pairs. One document per row (packing
   only removes pairs; the kernels skip whole tiles, never per document).
 - ``gdn`` (linear-attention layers), per value head: the clean stream's chunked delta rule as the
-  TPU phase kernels run it (chunk C, `pallas_kernels.gdn_phase_math`: k k^T, the doubling triangular
+  TPU phase kernels run it (chunk C, `pallas_kernels.gdn.phase_math`: k k^T, the doubling triangular
   inverse, w = T (beta k), u = T (beta v), w S, q k^T, q S, P delta, the state update) and the noisy
-  stream's readouts (`gdn_block_phase_math`): per readout tile of R = max(bs, C) rows, q S, q k^T
+  stream's readouts (`gdn.block_phase_math`): per readout tile of R = max(bs, C) rows, q S, q k^T
   and P v on the tile, plus, when blocks start inside chunks (bs < C), Mn = q k^T and Mn delta.
 - ``lm_head``: the logits of every noisy position, 2 D V (the CE skips chunks without a loss token
   at run time; a static count cannot, so this is the upper bound the compiled program also has).

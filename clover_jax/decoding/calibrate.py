@@ -35,7 +35,6 @@ import numpy as np
 from flax import nnx
 
 from clover_jax.decoding import metrics as ev
-from clover_jax.decoding.calibrate_fit import FitConfig
 from clover_jax.decoding.generator import (DecodeConfig, DecodeError, Decoder, jsonl_lines, resolve_eos_ids,
                                  resolve_vocab_limit)
 from clover_jax.input_file import InputFileError, render_chat
@@ -80,6 +79,21 @@ class LossEvalConfig:
     t_values: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
     n: int = 16
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """``calibration``: the split the fit reads (an `EvalSetConfig`-shaped mapping: source, path,
+    n, seed); the targets, noise levels and the delta grid of the search."""
+
+    calibration: dict[str, Any] = field(default_factory=dict)
+    block_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)
+    t_values: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    n: int = 32
+    seed: int = 0
+    deltas: tuple[float, ...] = (-4.0, -3.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 4.0)
+    refine_steps: int = 8
+    write_checkpoints: bool = True
 
 
 @dataclass(frozen=True)
@@ -460,6 +474,6 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-__all__ = ["CalibOverride", "CalibrateConfig", "EvalSetConfig", "LossEvalConfig", "SweepConfig", "build_examples",
-           "block_logits_fn", "eval_records", "history_position_table", "load_calibrate_config", "masked_loss_table",
-           "pareto_front", "run_calibrate", "run_setting", "scalar_table", "settings"]
+__all__ = ["CalibOverride", "CalibrateConfig", "EvalSetConfig", "FitConfig", "LossEvalConfig", "SweepConfig",
+           "build_examples", "block_logits_fn", "eval_records", "history_position_table", "load_calibrate_config",
+           "masked_loss_table", "pareto_front", "run_calibrate", "run_setting", "scalar_table", "settings"]

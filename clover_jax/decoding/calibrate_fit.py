@@ -18,31 +18,15 @@ checkpoint whose scalars carry the fitted gamma, the source checkpoint's tokeniz
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 from flax import nnx
 
-__all__ = ["FitConfig", "fit_gamma_shift", "run_fit", "with_gamma_shift"]
+__all__ = ["fit_gamma_shift", "run_fit", "with_gamma_shift"]
 
 _GOLDEN = (np.sqrt(5.0) - 1.0) / 2.0
-
-
-@dataclass(frozen=True)
-class FitConfig:
-    """``calibration``: the split the fit reads (an `EvalSetConfig`-shaped mapping: source, path,
-    n, seed); the targets, noise levels and the delta grid of the search."""
-
-    calibration: dict[str, Any] = field(default_factory=dict)
-    block_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)
-    t_values: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
-    n: int = 32
-    seed: int = 0
-    deltas: tuple[float, ...] = (-4.0, -3.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 4.0)
-    refine_steps: int = 8
-    write_checkpoints: bool = True
 
 
 def with_gamma_shift(model: Any, delta: float) -> Any:
@@ -96,8 +80,8 @@ def run_fit(cfg: Any, *, generate_record: Any = None, print_fn: Callable[[str], 
     """The fit of a `CalibrateConfig` ``cfg`` (its checkpoint, out_dir and `fit` section; its
     `eval` section is never read). Returns what fit.json holds."""
     from clover_jax.api import save_hf
-    from clover_jax.decoding.calibrate import (EvalSetConfig, LossEvalConfig, build_examples, eval_records,
-                                               masked_loss_table, scalar_table)
+    from clover_jax.decoding.calibrate import (EvalSetConfig, FitConfig, LossEvalConfig, build_examples,
+                                               eval_records, masked_loss_table, scalar_table)
     from clover_jax.decoding.cli import load_checkpoint
     from clover_jax.decoding.generator import DecodeError
     from clover_jax.yaml_config import from_tree

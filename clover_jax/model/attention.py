@@ -1,12 +1,12 @@
 """Gated GQA full attention with q/k norm and partial RoPE (Qwen3.5 `Qwen3_5MoeAttention`).
 
-The attention core is chosen by `ModelConfig.attn_backend` through `pallas_kernels.attention_dispatch`:
+The attention core is chosen by `ModelConfig.attn_backend` through `pallas_kernels.attention.ops`:
 the training streams (clean: causal in-document; noisy: the block rule of docs/design.md 3.1) run the
 TPU splash kernel, the GPU flash kernel or the jnp reference (`attend` over an explicit boolean mask
 [B, Tq, Tk], built by a pure function of slots and segment ids). Prefill, decoding and the
 decode-side block steps keep the dense reference: their masks index a cache, and their query
 blocks are short. With the row's sequence sharded over the `context` mesh axis, both training
-streams run `pallas_kernels.attention_context` (all-gathered K/V, the same backend per shard, one
+streams run `pallas_kernels.context.attention` (all-gathered K/V, the same backend per shard, one
 exchange for both streams; the dense masks are not used).
 Keys come either from the current tokens (training forward) or from a preallocated KV cache that
 the current tokens are first written into (prefill and decode: one code path for both).
@@ -22,17 +22,14 @@ from flax import nnx
 
 from clover_jax.config import ModelConfig
 from clover_jax.model.nn import Dense, RMSNorm, dtype_of
-from pallas_kernels.attention_reference import (  # noqa: F401  (re-exported: the model's mask builders)
-    attend,
-    causal_segment_mask,
-    noisy_query_mask,
-    two_stream_masks,
+from pallas_kernels.attention.reference import (  # noqa: F401  (re-exported: the model's mask builders)
+    attend, causal_segment_mask, noisy_query_mask, two_stream_masks,
 )
-from pallas_kernels.attention_context import context_two_stream_attention
-from pallas_kernels.attention_dispatch import resolve_attn_backend, stream_attention
-from pallas_kernels.attention_spans import attend_spans, causal_spans
-from pallas_kernels.gdn_context import context_size
-from pallas_kernels.stream_layout import join_streams, split_streams
+from pallas_kernels.context.attention import context_stream_attention, context_two_stream_attention
+from pallas_kernels.attention.ops import resolve_attn_backend, stream_attention
+from pallas_kernels.attention.spans import attend_spans, causal_spans
+from pallas_kernels.context.axis import context_size
+from pallas_kernels.context.stream_layout import join_streams, split_streams
 
 
 def rope_tables(positions_BT: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -115,9 +112,10 @@ class Attention(nnx.Module):
             v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), idx, axis=1)
             cache = {"k": k_all, "v": v_all}
             k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-        if cache is None and context_size() > 1:  # T sharded over the `context` mesh axis
-            out = stream_attention(q, k, v, ctx["segment_ids"], stream="clean", backend=self.backend,
-                                   context_layout=ctx.get("context_layout", "contiguous"))
+        if cache is None and context_size() > 1:  # T sharded over the `context` mesh axis (decided here only)
+            out = context_stream_attention(q, k, v, ctx["segment_ids"], stream="clean",
+                                           backend=resolve_attn_backend(self.backend),
+                                           layout=ctx.get("context_layout", "contiguous"))
         elif "mask" in ctx and cache is None:  # the reference backend's causal forward
             out = attend_spans(q, k, v, ctx["mask"], causal_spans(q.shape[1]))
         elif "mask" in ctx:  # against a cache: the dense mask is given
@@ -129,7 +127,7 @@ class Attention(nnx.Module):
 
     def two_stream(self, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
         """Training forward of both streams: x [B, 2T, D], the clean and noisy tokens in the layout of
-        `pallas_kernels.stream_layout`. `ctx`: `cos`/`sin` [B, T, R] (both streams share positions),
+        `pallas_kernels.context.stream_layout`. `ctx`: `cos`/`sin` [B, T, R] (both streams share positions),
         `segment_ids` [B, T], `block_size`, and for the reference backend the precomputed `mask`
         [B, T, T] (clean, causal) and `noisy_mask` [B, T, 2T] over clean || noisy keys (the kernel
         builds its masks from the segment ids)."""
@@ -138,7 +136,7 @@ class Attention(nnx.Module):
         k, v = self.project_kv(x_BSD, cos2, sin2)
         (q_c, q_n), (k_c, k_n), (v_c, v_n) = (split_streams(a) for a in (q, k, v))
         seg = ctx["segment_ids"]
-        if context_size() > 1:  # each stream's T over the `context` axis: one K/V exchange for both
+        if context_size() > 1:  # each stream's T over the `context` axis (decided here only): one K/V exchange
             out_c, out_n = context_two_stream_attention(q_c, q_n, k_c, k_n, v_c, v_n, seg,
                                                         block_size=ctx["block_size"],
                                                         backend=resolve_attn_backend(self.backend),

@@ -18,10 +18,10 @@ from clover_jax.model.attention import causal_segment_mask, noisy_query_mask, ro
 from clover_jax.config import ModelConfig
 from clover_jax.model.layers import init_stack_cache, run_stack, stacked_group
 from clover_jax.model.nn import RMSNorm, dtype_of, make_param, normal
-from pallas_kernels.attention_dispatch import resolve_attn_backend
-from pallas_kernels.context_exchange import from_layout, to_layout
-from pallas_kernels.gdn_context import context_size
-from pallas_kernels.stream_layout import join_streams, split_streams
+from pallas_kernels.attention.ops import resolve_attn_backend
+from pallas_kernels.context.exchange import from_layout, to_layout
+from pallas_kernels.context.axis import context_size
+from pallas_kernels.context.stream_layout import join_streams, split_streams
 from clover_jax.model.params import Tree, check_flat_shapes, flatten, unflatten
 
 NO_SEGMENT = -1  # segment id of cache slots / ring entries that hold no token
@@ -142,7 +142,7 @@ class CloverModel(nnx.Module):
         """(context size of the active mesh, the row layout over it): `cfg.context_layout` when the
         row is sharded over a `context` axis > 1, else contiguous (nothing is permuted). Under a
         zigzag layout the stack runs on the permuted row (token ids, positions and segment ids are
-        moved in, the final hidden states moved back, by `pallas_kernels.context_exchange`'s
+        moved in, the final hidden states moved back, by `pallas_kernels.context.exchange`'s
         point-to-point exchanges), so everything outside sees row order."""
         n = context_size()
         return n, (self.cfg.context_layout if n > 1 else "contiguous")

@@ -19,73 +19,10 @@ from flax import nnx
 
 import pallas_kernels
 from clover_jax.config import ModelConfig
+from clover_jax.model.gdn_conv import CONV_PARTS, block_conv, block_rings, causal_conv
 from clover_jax.model.nn import Dense, GatedRMSNorm, constant, dtype_of, make_param, normal
-from pallas_kernels.gdn_context import context_size
-from pallas_kernels.stream_layout import join_streams, split_streams
-
-CONV_PARTS = ("q", "k", "v")
-
-
-def causal_conv(
-    x_BTC: jax.Array, w_KC: jax.Array, ring_BLC: jax.Array, seg_BT: jax.Array, ring_seg_BL: jax.Array
-) -> jax.Array:
-    """Depthwise causal conv, no activation: `out_t = sum_j w[j] x~[t-K+1+j]` over x~ = ring || x.
-
-    A tap contributes only if its token is in the same segment as t (ring slots carry the segment ids
-    of the tokens they hold; an empty ring is zeros with segment -1).
-    """
-    k = w_KC.shape[0]
-    t = x_BTC.shape[1]
-    xx = jnp.concatenate([ring_BLC.astype(x_BTC.dtype), x_BTC], axis=1)
-    seg = jnp.concatenate([ring_seg_BL, seg_BT], axis=1)
-    out = jnp.zeros(x_BTC.shape, jnp.float32)
-    for j in range(k):  # K = 4: a static unroll is cheaper than a conv with masks
-        tap, same = xx[:, j:j + t], seg[:, j:j + t] == seg_BT
-        out = out + jnp.where(same[..., None], tap.astype(jnp.float32) * w_KC[j].astype(jnp.float32), 0.0)
-    return out.astype(x_BTC.dtype)
-
-
-def right_conv(x_BKC: jax.Array, w_LC: jax.Array, seg_BK: jax.Array) -> jax.Array:
-    """Block-mode right-context taps (docs/design.md 3.2 C), no activation, over whole blocks [B, K, C]:
-    `out_t = sum_{d=1..L} w[d-1] x_{t+d}`, only where t + d is inside the block and in t's segment,
-    so a tap never reads past the block end."""
-    k = x_BKC.shape[1]
-    out = jnp.zeros(x_BKC.shape, jnp.float32)
-    for d in range(1, min(w_LC.shape[0], k - 1) + 1):
-        tap = jnp.pad(x_BKC[:, d:], ((0, 0), (0, d), (0, 0)))
-        same = jnp.pad(seg_BK[:, d:] == seg_BK[:, :-d], ((0, 0), (0, d)))
-        out = out + jnp.where(same[..., None], tap.astype(jnp.float32) * w_LC[d - 1].astype(jnp.float32), 0.0)
-    return out
-
-
-def block_conv(
-    x_BKC: jax.Array, w_KC: jax.Array, w_right_LC: jax.Array, ring_BLC: jax.Array, seg_BK: jax.Array,
-    ring_seg_BL: jax.Array,
-) -> jax.Array:
-    """The noisy-stream conv of one block, no activation: left taps over ring || block (the ring holds
-    the CLEAN pre-conv inputs before the block), right taps inside the block. Zero `w_right` gives
-    exactly `causal_conv`."""
-    left = causal_conv(x_BKC, w_KC, ring_BLC, seg_BK, ring_seg_BL).astype(jnp.float32)
-    return (left + right_conv(x_BKC, w_right_LC, seg_BK)).astype(x_BKC.dtype)
-
-
-def block_rings(x_BTC: jax.Array, seg_BT: jax.Array, block: int, lring: int, empty_seg: int,
-                halo: tuple[jax.Array, jax.Array] | None = None):
-    """For every row-grid block n, the L clean inputs before it and their segment ids:
-    ([B*N, L, C], [B*N, L]); slots before the row start are zeros with segment `empty_seg`, or the
-    given `halo` ([B, L, C], [B, L]: the tokens before a context shard)."""
-    b, t, c = x_BTC.shape
-    n = t // block
-    if halo is None:
-        x_pad = jnp.pad(x_BTC, ((0, 0), (lring, 0), (0, 0)))
-        s_pad = jnp.pad(seg_BT, ((0, 0), (lring, 0)), constant_values=empty_seg)
-    else:
-        x_pad = jnp.concatenate([halo[0].astype(x_BTC.dtype), x_BTC], axis=1)
-        s_pad = jnp.concatenate([halo[1].astype(seg_BT.dtype), seg_BT], axis=1)
-    idx_NL = jnp.arange(n)[:, None] * block + jnp.arange(lring)[None, :]  # padded index of slot n*block - L + j
-    rings = jnp.take(x_pad, idx_NL.reshape(-1), axis=1).reshape(b * n, lring, c)
-    ring_seg = jnp.take(s_pad, idx_NL.reshape(-1), axis=1).reshape(b * n, lring)
-    return rings, ring_seg
+from pallas_kernels.context.axis import context_size
+from pallas_kernels.context.stream_layout import join_streams, split_streams
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -172,17 +109,17 @@ class GatedDeltaNet(nnx.Module):
                 out[f"{p}_right"] = conv.right[...]
         return out
 
-    def _conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
-                    ring_seg: jax.Array, weights: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+    def conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
+                   ring_seg: jax.Array, weights: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
         """Causal conv + SiLU of the q, k, v channel groups (AR / clean stream). `weights`: the taps
         (`conv_weights()`, a device's channels of them inside a shard_map); default the layer's."""
         w = self.conv_weights() if weights is None else weights
         return {p: jax.nn.silu(causal_conv(mixed[p], w[p], rings[p], seg, ring_seg)) for p in CONV_PARTS}
 
-    def _block_conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
-                          ring_seg: jax.Array, weights: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
+    def block_conv_parts(self, mixed: dict[str, jax.Array], seg: jax.Array, rings: dict[str, jax.Array],
+                         ring_seg: jax.Array, weights: dict[str, jax.Array] | None = None) -> dict[str, jax.Array]:
         """Noisy-stream conv (left taps over clean ring || block, right taps in the block) + SiLU.
-        Inputs are whole blocks [B', Bk, C] with their rings [B', L, C]; `weights` as `_conv_parts`."""
+        Inputs are whole blocks [B', Bk, C] with their rings [B', L, C]; `weights` as `conv_parts`."""
         w = self.conv_weights() if weights is None else weights
         return {p: jax.nn.silu(block_conv(mixed[p], w[p], w[f"{p}_right"], rings[p], seg, ring_seg))
                 for p in CONV_PARTS}
@@ -209,7 +146,7 @@ class GatedDeltaNet(nnx.Module):
         lring = c.linear_conv_kernel_dim - 1
         rings = {p: cache[f"conv_{p}"].astype(mixed[p].dtype) if cache is not None
                  else jnp.zeros((b, lring, mixed[p].shape[-1]), mixed[p].dtype) for p in CONV_PARTS}
-        conv = self._conv_parts(mixed, seg, rings, ring_seg)
+        conv = self.conv_parts(mixed, seg, rings, ring_seg)
         new_cache = {f"conv_{p}": jnp.concatenate([rings[p], mixed[p]], axis=1)[:, -lring:] for p in CONV_PARTS}
         q, k, v = self.heads(conv, repeat=False)  # grouped key heads: the causal op indexes them
         g, beta = self.gates(mixed["b"], mixed["a"])
@@ -231,7 +168,7 @@ class GatedDeltaNet(nnx.Module):
     # -- block mode (docs/design.md 3.2 B, C) ----------------------------------------------------------
     def two_stream(self, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
         """Training forward of both streams: x [B, 2T, D], the clean and noisy tokens (same positions) in
-        the layout of `pallas_kernels.stream_layout`, -> [B, 2T, D] in that layout. The clean stream is the
+        the layout of `pallas_kernels.context.stream_layout`, -> [B, 2T, D] in that layout. The clean stream is the
         AR layer exactly; the noisy one is the block-mode GDN on the row grid of `ctx["block_size"]` (T a
         multiple of it)."""
         if context_size() > 1:  # each stream's T sharded over the `context` mesh axis
@@ -247,12 +184,12 @@ class GatedDeltaNet(nnx.Module):
         clean, noisy = ({name: pair[i] for name, pair in streams.items()} for i in (0, 1))
         empty = jnp.full((b, lring), ctx["empty_segment"], jnp.int32)
         zeros = {p: jnp.zeros((b, lring, clean[p].shape[-1]), clean[p].dtype) for p in CONV_PARTS}
-        conv_c = self._conv_parts(clean, seg, zeros, empty)
+        conv_c = self.conv_parts(clean, seg, zeros, empty)
         n = t // bk
         blocks = lambda a: a.reshape((b * n, bk) + a.shape[2:])  # noqa: E731
         ring_parts = {p: block_rings(clean[p], seg, bk, lring, ctx["empty_segment"]) for p in CONV_PARTS}
         ring_seg = ring_parts["q"][1]
-        conv_n = self._block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg),
+        conv_n = self.block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg),
                                         {p: r for p, (r, _) in ring_parts.items()}, ring_seg)
         conv_n = {p: v.reshape(b, t, -1) for p, v in conv_n.items()}
         q_c, k_c, v_c = self.heads(conv_c, repeat=False)  # grouped key heads: the block op indexes them
@@ -274,7 +211,7 @@ class GatedDeltaNet(nnx.Module):
         seg = ctx["segment_ids"]
         mixed = self.mix_inputs(x_BKD)
         rings = {p: cache[f"conv_{p}"].astype(mixed[p].dtype) for p in CONV_PARTS}
-        conv = self._block_conv_parts(mixed, seg, rings, ctx["ring_segment_ids"])
+        conv = self.block_conv_parts(mixed, seg, rings, ctx["ring_segment_ids"])
         q, k, v = self.heads(conv)
         b, bk = seg.shape
         add_n = lambda a: a[:, None]  # noqa: E731  one block

@@ -1,19 +1,19 @@
-"""The GDN layer over a sequence-sharded row (context parallelism, `clover_jax.parallel.context`).
+"""The GDN layer over a sequence-sharded row (context parallelism, `pallas_kernels.context.split`).
 
 `GatedDeltaNet.__call__` (no cache) and `GatedDeltaNet.two_stream` hand over here when the active
 mesh has a `context` axis > 1. Projections and the output stay outside (token-wise, partitioned by
 XLA); the sequence mixing runs per shard in one `shard_map` manual over every mesh axis
-(`pallas_kernels.gdn_context.over_rows`): rows over the axes THE rule table gives `batch`, key and
+(`pallas_kernels.context.axis.over_rows`): rows over the axes THE rule table gives `batch`, key and
 value heads over those of `act_heads` (the conv channels and taps with them), tokens over `context`.
 
 - conv halo: the K-1 pre-conv clean inputs before each piece of the row the shard holds (and their
-  segment ids) come from the piece before it (`pallas_kernels.gdn_context.from_previous_piece`: the
+  segment ids) come from the piece before it (`pallas_kernels.context.axis.from_previous_piece`: the
   previous shard by `ppermute` for contiguous shards; for the zigzag layout, whose shards hold two
   pieces each, from the pieces' tails gathered in row order); the row's first piece gets the empty
   ring of the one-device run. The conv masks
   taps by segment as on one device, so a document start at (or just after) a shard boundary reads
   nothing of the document before it. The noisy stream's block rings read the same halo.
-- recurrence: `pallas_kernels.gdn_context` (affine shard maps, scanned across the axis), each shard
+- recurrence: `pallas_kernels.context.gdn_scan` (affine shard maps, scanned across the axis), each shard
   through the GDN dispatch with the configured `gdn_backend`, key heads grouped.
 """
 
@@ -24,13 +24,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from clover_jax.model.gdn import CONV_PARTS, block_rings
+from clover_jax.model.gdn_conv import CONV_PARTS, block_rings
 from clover_jax.parallel import sharding as sh
-from pallas_kernels.context_layout import from_piece_rows, pieces, to_piece_rows
-from pallas_kernels.gdn_context import (
-    CONTEXT_AXIS, RowSpecs, first_piece, from_previous_piece, over_rows, row_specs, shard_block_gdn, shard_chunk_gdn,
-)
-from pallas_kernels.stream_layout import join_streams, split_streams
+from pallas_kernels.context.layout import from_piece_rows, pieces, to_piece_rows
+from pallas_kernels.context.axis import CONTEXT_AXIS, RowSpecs, first_piece, from_previous_piece, over_rows, row_specs
+from pallas_kernels.context.gdn_scan import shard_block_gdn, shard_chunk_gdn
+from pallas_kernels.context.stream_layout import join_streams, split_streams
 
 
 def _halo(parts: dict[str, jax.Array], seg_RT: jax.Array, lring: int, empty_segment: int, layout: str):
@@ -77,7 +76,7 @@ def clean_forward(layer, x_BTD: jax.Array, ctx: dict[str, Any], empty_segment: i
         parts = {"q": q, "k": k, "v": v}
         parts, seg_r = {p: to_piece_rows(x, npc) for p, x in parts.items()}, to_piece_rows(seg, npc)
         rings, ring_seg = _halo(parts, seg_r, lring, empty_segment, layout)
-        conv = {p: from_piece_rows(x, npc) for p, x in layer._conv_parts(parts, seg_r, rings, ring_seg, w).items()}
+        conv = {p: from_piece_rows(x, npc) for p, x in layer.conv_parts(parts, seg_r, rings, ring_seg, w).items()}
         qh, kh, vh = layer.heads(conv, repeat=False)
         o, _ = shard_chunk_gdn(qh, kh, vh, g, beta, seg, _zero_state(vh, c.linear_key_head_dim),
                                has_initial_state=False, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend,
@@ -91,7 +90,7 @@ def clean_forward(layer, x_BTD: jax.Array, ctx: dict[str, Any], empty_segment: i
 
 
 def two_stream(layer, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
-    """Both block-mode streams, x [B, 2T, D] in the layout of `pallas_kernels.stream_layout` (each
+    """Both block-mode streams, x [B, 2T, D] in the layout of `pallas_kernels.context.stream_layout` (each
     context shard holds the clean and noisy tokens of the same positions) -> [B, 2T, D] in that
     layout, each stream's T sharded over `context` (every shard a whole number of blocks)."""
     c = layer.cfg
@@ -114,10 +113,10 @@ def two_stream(layer, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
         n = tp // bk
         clean, noisy = {"q": rows(cq), "k": rows(ck), "v": rows(cv)}, {"q": rows(nq), "k": rows(nk), "v": rows(nv)}
         rings, ring_seg = _halo(clean, seg_r, lring, empty, layout)
-        conv_c = layer._conv_parts(clean, seg_r, rings, ring_seg, w)
+        conv_c = layer.conv_parts(clean, seg_r, rings, ring_seg, w)
         blocks = lambda a: a.reshape((r * n, bk) + a.shape[2:])  # noqa: E731
         ring_parts = {p: block_rings(clean[p], seg_r, bk, lring, empty, halo=(rings[p], ring_seg)) for p in CONV_PARTS}
-        conv_n = layer._block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg_r),
+        conv_n = layer.block_conv_parts({p: blocks(noisy[p]) for p in CONV_PARTS}, blocks(seg_r),
                                          {p: r_ for p, (r_, _) in ring_parts.items()}, ring_parts["q"][1], w)
         back = lambda a: from_piece_rows(a.reshape(r, tp, -1), npc)  # noqa: E731
         q_c, k_c, v_c = layer.heads({p: back(x) for p, x in conv_c.items()}, repeat=False)

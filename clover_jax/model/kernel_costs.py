@@ -3,7 +3,7 @@
 grouped matmuls of the MoE, whose estimates count their worst-case buffer.
 
 - splash (`splash_mha_fwd / dq / dkv`): the matmul FLOPs of the tiles the kernel runs for the
-  stream its shapes name (`pallas_kernels.attention_splash.kernel_cost`), at the training block
+  stream its shapes name (`splash_cost.kernel_cost`), at the training block
   size.
 - grouped matmuls (XLA's `ragged_dot` kernel `ragged-dot-*`, megablox `gmm` / `tgmm`): under expert
   parallelism the receive buffer holds `ep * n * min(k, E_local)` rows (`moe`'s dropless worst
@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pallas_kernels.attention_splash import kernel_cost as splash_kernel_cost
-
 from ..config import ModelConfig
+from .splash_cost import kernel_cost as splash_kernel_cost
 
 __all__ = ["GROUPED_MATMUL_KERNELS", "ep_buffer_fill", "step_kernel_cost"]
 

@@ -44,7 +44,7 @@ from clover_jax.model.moe_capacity import capacity_ffn, experts_capacity
 from clover_jax.model import moe_coreset
 from clover_jax.model.moe_platform import resolve_impl, tgmm_tiling
 from clover_jax.model.nn import Dense, dtype_of, make_param, normal
-from pallas_kernels.stream_layout import join_streams, split_streams
+from pallas_kernels.context.stream_layout import join_streams, split_streams
 
 
 def route(logits_TE: jax.Array, k: int, allowed: Callable[[jax.Array], jax.Array] | None = None

@@ -7,7 +7,7 @@ experts per block it reads at most C (`bench/decode_cost.py` measures both).
 
 The rule (OUR READING: the official SFT code names "block coreset routing" in its `moe.py`, and a
 third-party port restricts "the MoE ... to the block's expert coreset", but neither shows the
-selection; ../shared/research/clover_release.md): per (row, block), the block's router mass is the
+selection; docs/design.md 2.2 gives the sources): per (row, block), the block's router mass is the
 sum over its non-pad tokens of the fp32 router softmax [E]; the C experts of largest mass (ties to the
 lower expert index, as `lax.top_k`) are the coreset; every token of the block takes its top-k among
 the coreset's experts, weights renormalised over those k as in free routing. The softmax the

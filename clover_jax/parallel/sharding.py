@@ -4,7 +4,7 @@ Model code names every dimension logically (`nn.make_param(..., logical_axes)` f
 `constrain(x, ("batch", "length", "act_embed"))` for activations); this module alone maps those
 names onto the mesh axes `("data", "fsdp", "expert", "context", "tensor")` (docs/design.md 4, the
 MaxText pattern). `length -> context` splits every row's sequence into contiguous shards (context
-parallelism, `clover_jax.parallel.context`); with `context: 1` (the default) nothing changes.
+parallelism, `pallas_kernels.context.split`); with `context: 1` (the default) nothing changes.
 
 Resolution of one dimension (`logical_to_spec`): the rule's mesh axes, minus axes of size 1, minus
 axes an earlier dimension of the same tensor already uses (so `batch` -> (data, fsdp, expert) and
@@ -75,7 +75,7 @@ class MeshConfig:
     `dcn_data` is how many slices (TPU multi-slice) or hosts (GPU multi-node) the `data` axis spans
     over the data-centre network; it must divide `data`. The other axes stay inside a slice.
     `context` splits every row's sequence into that many contiguous shards (see
-    `clover_jax.parallel.context.check_context_split` for what the row length must satisfy).
+    `pallas_kernels.context.split.check_context_split` for what the row length must satisfy).
     """
 
     data: int = 1

@@ -57,7 +57,7 @@ def test_device_check_launch_sweep_and_bf16_check(tmp_path):
     launch table as it found it; a variant whose value tile does not divide dv is not tried.
     --check-dtype bfloat16 checks the errors on the bf16 programs, against the kernels' bf16 bound."""
     gdn_device = bench_module("gdn_device")
-    from pallas_kernels import gdn_phase_gpu as g
+    from pallas_kernels.gdn import gpu_calls as g
     before = dict(g.LAUNCH)
     report = gdn_device.main(["--smoke", "--ops", "causal", "--tune-seq", "256", "--tune-budget-s", "1",
                               "--check-dtype", "bfloat16", "--time-dtype", "bfloat16", "--no-phase-times",

@@ -90,7 +90,7 @@ def test_two_stream_equals_block_steps_on_caches(block, logits_shift, coreset):
     logits of the same canvas against caches built by commit passes, for EVERY block of each row
     (the first, which has no history, included). fp32 criterion: max|diff| <= FP32_REL * max|ref|
     over the real (non-pad) positions. The readout both paths share (`block_readout_ref`) has its
-    own float64 oracle: tests/kernels/test_gdn_block_reference.py."""
+    own float64 oracle: tests/kernels/gdn/test_block_reference.py."""
     model, train, step, commit = _jitted(logits_shift, block, coreset)
     t, layouts = LAYOUTS[block]
     rng = np.random.default_rng(block)
@@ -318,7 +318,7 @@ def test_pallas_backend_equals_reference_in_the_model(mode):
     """`gdn_backend: pallas` (the Pallas kernels, interpreted on CPU) gives the reference backend's
     logits in AR mode and in the two-stream block mode, on a packed row of two documents with pads,
     so the wiring (segment resets, block grid, calibration scalars) is exercised; the kernels'
-    gradients against the reference are tests/kernels/test_gdn_pallas.py and test_gdn_block_pallas.py."""
+    gradients against the reference are tests/kernels/gdn/test_causal_op.py and gdn/test_block_op.py."""
     cfg_ref, model_ref = randomised_block_model(3, mode=mode, gdn_backend="reference")
     model_pl = create_model(cfg_ref.replace(gdn_backend="pallas"), 3)
     nnx.update(model_pl, nnx.state(model_ref, nnx.Param))

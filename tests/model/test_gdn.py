@@ -4,7 +4,7 @@ Property checked on the traced training step (jaxpr, no compile): with `dtype: b
 Pallas kernel (causal: the phase-split TPU kernels and the Triton sweeps; block forward and backward) gets
 bf16 token operands and runs bf16 x bf16 -> fp32 dots; with `dtype: float32` no kernel dot is
 bf16 and every one asks for HIGHEST precision. The numerics of the bf16 kernels are checked in
-tests/kernels/test_gdn_pallas.py and test_gdn_block_pallas.py.
+tests/kernels/gdn/test_causal_op.py and gdn/test_block_op.py.
 """
 
 from __future__ import annotations

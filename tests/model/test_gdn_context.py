@@ -16,7 +16,7 @@ from clover_jax.config import get_preset
 from clover_jax.model.clover_model import NO_SEGMENT
 from clover_jax.model.gdn import GatedDeltaNet
 from clover_jax.parallel import sharding as sh
-from pallas_kernels.stream_layout import join_streams, split_streams
+from pallas_kernels.context.stream_layout import join_streams, split_streams
 from tests.model.parity_utils import FAST_COMPILE, FP32_REL, assert_rel_close, rounding_floor
 
 CFG = get_preset("tiny").replace(mode="block", block_size=4, gdn_chunk_size=4)

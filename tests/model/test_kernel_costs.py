@@ -8,7 +8,8 @@ import pytest
 
 from clover_jax.config import get_preset
 from clover_jax.model.kernel_costs import ep_buffer_fill, step_kernel_cost
-from pallas_kernels.attention_splash import active_tiles, block_sizes_for, kernel_cost
+from clover_jax.model.splash_cost import active_tiles, kernel_cost
+from pallas_kernels.attention.splash import block_sizes_for
 
 
 def test_ep_buffer_fill():

@@ -105,7 +105,7 @@ def test_tpu_aot_fused_gate_up_compiles_with_megablox_tgmm():
     [G, D, 2I] (fused gate / up) and [G, I, D] (down)."""
     import os
 
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # see tests/kernels/test_gdn_aot.py
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # see tests/kernels/gdn/test_aot.py
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 

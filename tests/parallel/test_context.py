@@ -1,4 +1,4 @@
-"""The `context` mesh axis (clover_jax/parallel/context.py, the `length -> context` rule of
+"""The `context` mesh axis (pallas_kernels/context/split.py, the `length -> context` rule of
 parallel/sharding.py): rows split into contiguous shards, the split's validation names the keys, and
 the whole model with its rows sharded over `context` equals the one-device run (and compiles for TPU)."""
 
@@ -17,7 +17,7 @@ from clover_jax.model.clover_model import (
     abstract_model, create_model, model_from_params, model_to_params, shift_predictions,
 )
 from clover_jax.parallel import sharding as sh
-from clover_jax.parallel.context import check_context_split
+from pallas_kernels.context.split import check_context_split
 from tests.model.parity_utils import FAST_COMPILE, FP32_REL, assert_rel_close
 
 

@@ -5,7 +5,7 @@ and the tokens per optimizer step of agent_mix (so its optimizer settings carry 
 
 from pathlib import Path
 
-from clover_jax.parallel.context import check_context_split
+from pallas_kernels.context.split import check_context_split
 from sft.config import load_sft_config, model_config_from
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

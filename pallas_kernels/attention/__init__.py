@@ -1,0 +1,1 @@
+"""Attention of the two training streams: ops, reference, spans, splash, flash."""
