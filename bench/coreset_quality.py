@@ -7,12 +7,13 @@ Two parts:
   routing; 8 experts, top 2) decoded with a coreset of C = 4 and 2 (= top-k, the tightest) set in a
   copy of its config.json, per-step and first-step coresets (`decode.coreset`): what a coreset costs a
   model that never trained with one, and which of the two decoding rules costs less.
-* `--part trained` (hours on 2 cores: 0.16 steps/s measured with other jobs beside it): the recipe
-  trained with the coreset off and at C = 16 and 32. The research model's 8 experts make 16 / 32
-  no restriction, so this trains it with 64 fine-grained experts, top 8, intermediate 12 (the same
-  active expert FLOPs per token as 8 x 48 top 2): C = 16 / 32 keep a quarter / a half of the
-  experts per block (Clover: 256, top 8). Resumable: a trained export under `--runs` is reused, a
-  finished evaluation too.
+* `--part trained --variant e64` (hours on 2 cores: 0.16 steps/s measured with other jobs beside
+  it): the recipe trained with the coreset off and at C = 16 and 32. The research model's 8 experts
+  make 16 / 32 no restriction, so this variant has 64 fine-grained experts, top 8, intermediate 12
+  (the same active expert FLOPs per token as 8 x 48 top 2): C = 16 / 32 keep a quarter / a half of
+  the experts per block (Clover: 256, top 8). `--variant e8 --coresets 4`: the research model
+  itself trained with C = 4 of its 8 experts (its free twin is the study's stored model).
+  Resumable: a trained export under `--runs` is reused, a finished evaluation too.
 
     python bench/coreset_quality.py --part imposed --out bench/results/coreset_quality_imposed.json
     python bench/coreset_quality.py --part trained --out bench/results/coreset_quality.json
@@ -30,8 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RECIPE = "configs/research_tool.yaml"
-VARIANT = ["model.num_experts=64", "model.num_experts_per_tok=8", "model.moe_intermediate_size=12",
-           "model.block_size=32"]
+VARIANTS = {  # recipe overrides of --part trained
+    "e64": ["model.num_experts=64", "model.num_experts_per_tok=8", "model.moe_intermediate_size=12",
+            "model.block_size=32"],
+    "e8": ["model.block_size=32"],  # the study's block-32 model itself (its `off` is models/calibration_study/32)
+}
 EVAL_N, EVAL_SEED = 200, 1  # configs/calibration_study.yaml: study.eval_n, study.eval_seed
 THRESHOLDS = (0.9, 0.95)
 
@@ -52,14 +56,14 @@ def _eval_set(runs: Path, bfcl: str) -> Path:
     return path
 
 
-def _train(run: Path, coreset: int | None, steps: int | None) -> Path:
+def _train(run: Path, coreset: int | None, steps: int | None, variant: list[str]) -> Path:
     from sft.config import load_sft_config
     from sft.recipe import run_sft
 
     hf = run / "hf"
     if (hf / "config.json").is_file():
         return hf
-    over = [*VARIANT, f"logging.run_dir={run}", f"export.dir={hf}"]
+    over = [*variant, f"logging.run_dir={run}", f"export.dir={hf}"]
     over += [f"model.moe_block_coreset={coreset}"] if coreset else []
     over += [f"train.steps={steps}"] if steps else []
     res = run_sft(load_sft_config(ROOT / RECIPE, over))
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="models/calibration_study/32", help="--part imposed: the stored model")
     p.add_argument("--coresets", default=None, help="default: off,4,2 (imposed) / off,16,32 (trained)")
     p.add_argument("--steps", type=int, default=None, help="--part trained: train.steps (default: the recipe's)")
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="e64",
+                   help="--part trained: e64 (64 experts, top 8) or e8 (the research model's 8 experts, top 2)")
     p.add_argument("--bfcl", default=str(ROOT.parent / "shared/data/bfcl/BFCL_v4_simple_python.json"))
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             hf = _with_coreset(ROOT / a.model, runs / "imposed" / name / "hf", c)
         else:
             print(f"== coreset {name}: train (if missing), then decode", flush=True)
-            hf = _train(runs / name, c, a.steps)
+            hf = _train(runs / a.variant / name, c, a.steps, VARIANTS[a.variant])
         for rule in (("per_step",) if c is None else ("per_step", "first_step")):
             out = hf.parent / f"calibrate_{rule}"
             table += [r for r in _rows(_evaluate(hf, out, ev, rule), name, rule)
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['coreset']} | {r['rule']} | {how} | {r['validity']:.3f} | {r['bfcl_accuracy']:.3f} | "
               f"{r['tokens_per_forward']:.2f} | {ce} |")
     if a.out:
-        Path(a.out).write_text(json.dumps({"part": a.part, "model": a.model if a.part == "imposed" else VARIANT,
+        Path(a.out).write_text(json.dumps({"part": a.part, "model": a.model if a.part == "imposed" else VARIANTS[a.variant],
                                            "recipe": RECIPE, "eval_n": EVAL_N, "rows": table,
                                            "wall_s": time.perf_counter() - t0}, indent=1) + "\n")
         print(f"wrote {a.out}")
