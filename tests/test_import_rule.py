@@ -46,10 +46,7 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 KNOWN_CIRCLES: dict[tuple[str, ...], str] = {}
 
 #: Private names imported from another module today, (importer, "module._name"), with the way out.
-KNOWN_PRIVATE: dict[tuple[str, str], str] = {
-    ("clover_jax.bridge.hf_keys", "clover_jax.bridge.hf_rules._Rule"):
-        "rename _Rule -> Rule in hf_rules once the bridge edits under way land",
-}
+KNOWN_PRIVATE: dict[tuple[str, str], str] = {}
 
 
 def room_of(module: str) -> str | None:
@@ -81,6 +78,16 @@ def project_modules() -> dict[str, tuple[Path, bool]]:
     return out
 
 
+def from_module(name: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module a `from ... import` in module `name` reads from (relative levels resolved)."""
+    base = node.module or ""
+    if node.level:
+        pkg = name.split(".") if is_package else name.split(".")[:-1]
+        pkg = pkg[: len(pkg) - (node.level - 1)]
+        base = ".".join(pkg + ([base] if base else []))
+    return base
+
+
 def imports_of(name: str, source: str, is_package: bool, known: set[str]) -> set[str]:
     """Every module `source` (the module `name`) imports; `from a import b` counts as `a.b` when
     that is a module of `known`, else as `a`."""
@@ -89,11 +96,7 @@ def imports_of(name: str, source: str, is_package: bool, known: set[str]) -> set
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = name.split(".") if is_package else name.split(".")[:-1]
-                pkg = pkg[: len(pkg) - (node.level - 1)]
-                base = ".".join(pkg + ([base] if base else []))
+            base = from_module(name, is_package, node)
             for a in node.names:
                 out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
     return out
@@ -174,11 +177,7 @@ def private_imports(sources: dict[str, tuple[str, bool]]) -> list[tuple[str, str
         aliases: dict[str, str] = {}
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    pkg = name.split(".") if is_package else name.split(".")[:-1]
-                    pkg = pkg[: len(pkg) - (node.level - 1)]
-                    base = ".".join(pkg + ([base] if base else []))
+                base = from_module(name, is_package, node)
                 for a in node.names:
                     if f"{base}.{a.name}" in known:
                         aliases[a.asname or a.name] = f"{base}.{a.name}"

@@ -58,7 +58,7 @@ import numpy as np
 from clover_jax.bridge import hf_clover as hc
 from clover_jax.bridge.hf_rules import (  # re-exported: hf_keys is the public face of the HF mapping
     EXPERT_LAYOUTS, FUSED, HUB_PREFIX, LM_HEAD_KEY, PER_EXPERT, PLAIN_PREFIX, TEXT_PREFIXES, HFLayout,
-    HFMappingError, Shape, _Rule, all_expected_keys, check_hf_shapes, check_tensor_names, detect_layout,
+    HFMappingError, Shape, Rule, all_expected_keys, check_hf_shapes, check_tensor_names, detect_layout,
     expected_hf_shapes, global_rules, layer_rules,
 )
 from clover_jax.config import ModelConfig
@@ -94,7 +94,7 @@ def _same_dtype(keys: Iterable[str], arrays: Iterable[Any]) -> np.dtype:
 
 
 def _clover_to_ours(
-    rule: _Rule, get: Callable[[str], np.ndarray], shape_of: Callable[[str], Shape],
+    rule: Rule, get: Callable[[str], np.ndarray], shape_of: Callable[[str], Shape],
     dtype_of: Callable[[str], np.dtype], source: str,
 ) -> list[np.ndarray]:
     """Our leaves of a Clover rule (``[]`` if the model has none: the HF tensor is only checked)."""
@@ -115,7 +115,7 @@ def _clover_to_ours(
     return hc.init_right(rule.our_shapes, np.dtype(dtype_of(rule.like)))
 
 
-def _apply_to_ours(rule: _Rule, arrays: list[np.ndarray]) -> list[np.ndarray]:
+def _apply_to_ours(rule: Rule, arrays: list[np.ndarray]) -> list[np.ndarray]:
     k = rule.kind
     if k == "copy":
         return arrays
@@ -155,7 +155,7 @@ def _is_source(tensors: Any) -> bool:
     return not isinstance(tensors, Mapping) and isinstance(tensors, TensorSource)
 
 
-def _checked_keys(rule: _Rule, src: TensorSource, source: str) -> np.dtype:
+def _checked_keys(rule: Rule, src: TensorSource, source: str) -> np.dtype:
     """Checks presence and shape of a rule's HF tensors in ``src``; returns their (common) dtype."""
     for key, shape in zip(rule.hf, rule.hf_shapes()):
         if key not in src:
@@ -178,7 +178,7 @@ def _row_ranges(n_rows: int, shape: Shape, itemsize: int, max_bytes: int | None)
         yield start, min(start + step, n_rows)
 
 
-def _fill_from_source(rule: _Rule, src: TensorSource, source: str, max_bytes: int | None) -> list[np.ndarray]:
+def _fill_from_source(rule: Rule, src: TensorSource, source: str, max_bytes: int | None) -> list[np.ndarray]:
     """Our (C-contiguous) leaves of one rule, read from ``src`` in row blocks of ~``max_bytes``:
     peak memory is the outputs plus one block, never the HF tensor next to its transposed copy."""
     if rule.kind in ("bd_scalars", "bd_right"):  # small: read whole
@@ -229,7 +229,7 @@ def _fill_from_source(rule: _Rule, src: TensorSource, source: str, max_bytes: in
 
 
 def _iter_to_ours(
-    rules: list[_Rule], tensors: Mapping[str, np.ndarray] | TensorSource, source: str, max_bytes: int | None
+    rules: list[Rule], tensors: Mapping[str, np.ndarray] | TensorSource, source: str, max_bytes: int | None
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(our flat key, leaf) rule by rule; a `TensorSource` is read only as each rule needs it."""
     stream = _is_source(tensors)
@@ -259,7 +259,7 @@ def _present(tensors: Mapping[str, np.ndarray], key: str, source: str) -> Any:
 
 
 def _to_ours(
-    rules: list[_Rule], tensors: Mapping[str, np.ndarray] | TensorSource, source: str,
+    rules: list[Rule], tensors: Mapping[str, np.ndarray] | TensorSource, source: str,
     max_bytes: int | None = None,
 ) -> Tree:
     return unflatten(dict(_iter_to_ours(rules, tensors, source, max_bytes)))
@@ -302,7 +302,7 @@ def iter_hf_globals(
 # --------------------------------------------------------------------------------------------
 
 
-def _our_leaves(rules: list[_Rule], tree: Tree, where: str) -> dict[str, Any]:
+def _our_leaves(rules: list[Rule], tree: Tree, where: str) -> dict[str, Any]:
     flat = flatten(tree)
     wanted = {k: sh for r in rules for k, sh in zip(r.ours, r.our_shapes)}
     check_flat_shapes(flat, wanted, where, HFMappingError, "params with no HF tensor:")
@@ -323,7 +323,7 @@ def _gate_up_blocks(gate: np.ndarray, up: np.ndarray, max_bytes: int | None) -> 
 
 
 def _hf_blocks(
-    rule: _Rule, arrays: list[np.ndarray], max_bytes: int | None, like: Callable[[str], Any] | None = None
+    rule: Rule, arrays: list[np.ndarray], max_bytes: int | None, like: Callable[[str], Any] | None = None
 ) -> list[tuple[str, Iterator[np.ndarray]]]:
     """``[(hf_key, blocks)]`` of one rule: each HF tensor as lazy C-contiguous leading-axis blocks of
     ~``max_bytes`` (an already contiguous leaf is its own single block, uncopied). ``like(key)``
@@ -374,14 +374,14 @@ def _assemble(shape: Shape, dtype: np.dtype | None, blocks: Iterable[np.ndarray]
 
 
 def _iter_to_hf_blocks(
-    rules: list[_Rule], tree: Tree, where: str, max_bytes: int | None
+    rules: list[Rule], tree: Tree, where: str, max_bytes: int | None
 ) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
     flat = _our_leaves(rules, tree, where)
     for r in rules:
         yield from _hf_blocks(r, [np.asarray(flat[k]) for k in r.ours], max_bytes, flat.__getitem__)
 
 
-def _iter_to_hf(rules: list[_Rule], tree: Tree, where: str) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_to_hf(rules: list[Rule], tree: Tree, where: str) -> Iterator[tuple[str, np.ndarray]]:
     flat = _our_leaves(rules, tree, where)
     for r in rules:
         arrays = [np.asarray(flat[k]) for k in r.ours]
@@ -389,7 +389,7 @@ def _iter_to_hf(rules: list[_Rule], tree: Tree, where: str) -> Iterator[tuple[st
             yield key, _assemble(shape, arrays[0].dtype if arrays else None, blocks)
 
 
-def _to_hf(rules: list[_Rule], tree: Tree, where: str) -> list[tuple[str, np.ndarray]]:
+def _to_hf(rules: list[Rule], tree: Tree, where: str) -> list[tuple[str, np.ndarray]]:
     return list(_iter_to_hf(rules, tree, where))
 
 
@@ -444,7 +444,7 @@ def iter_globals_to_hf_blocks(
         del arrays  # before the next global is read
 
 
-def _specs(rules: list[_Rule], dtypes: Mapping[str, Any], where: str) -> list[tuple[str, Shape, np.dtype]]:
+def _specs(rules: list[Rule], dtypes: Mapping[str, Any], where: str) -> list[tuple[str, Shape, np.dtype]]:
     out = []
     for r in rules:
         if r.kind in ("bd_scalars", "bd_right") and r.hf and not r.ours:  # filled in on write

@@ -145,7 +145,7 @@ def detect_layout(keys: Iterable[str], *, source: str = "checkpoint") -> tuple[H
 
 
 @dataclass(frozen=True)
-class _Rule:
+class Rule:
     """``kind`` says how ``hf`` keys (HF shapes derived from ours) map to ``ours`` flat keys.
 
     The Clover kinds (``bd_scalars``: one packed HF tensor or the three split ones; ``bd_right``)
@@ -194,11 +194,11 @@ class _Rule:
         return self.hf_shapes()[:1]
 
 
-def _linear(kind: str, hf: str, ours: str, shapes: Mapping[str, Shape]) -> _Rule:
-    return _Rule(kind, (hf,), (ours,), (shapes[ours],))
+def _linear(kind: str, hf: str, ours: str, shapes: Mapping[str, Shape]) -> Rule:
+    return Rule(kind, (hf,), (ours,), (shapes[ours],))
 
 
-def global_rules(cfg: ModelConfig, layout: HFLayout) -> list[_Rule]:
+def global_rules(cfg: ModelConfig, layout: HFLayout) -> list[Rule]:
     s = _leaf_shapes(flatten(global_param_shapes(cfg)))
     p = layout.prefix
     rules = [
@@ -215,11 +215,11 @@ def _leaf_shapes(flat: Mapping[str, Any]) -> dict[str, Shape]:
     return {k: tuple(v) for k, v in flat.items()}
 
 
-def layer_rules(cfg: ModelConfig, layout: HFLayout, i: int) -> list[_Rule]:
+def layer_rules(cfg: ModelConfig, layout: HFLayout, i: int) -> list[Rule]:
     """The rules of decoder layer ``i`` in HF module order (which is also our write order)."""
     s = _leaf_shapes(flatten(layer_param_shapes(cfg, i)))
     p = f"{layout.prefix}layers.{i}."
-    rules: list[_Rule] = []
+    rules: list[Rule] = []
     if cfg.layer_types[i] == FULL:
         a = p + "self_attn."
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -233,10 +233,10 @@ def layer_rules(cfg: ModelConfig, layout: HFLayout, i: int) -> list[_Rule]:
         rules += [
             _linear("copy", g + "dt_bias", "gdn.dt_bias", s),
             _linear("copy", g + "A_log", "gdn.A_log", s),
-            _Rule("conv", (g + "conv1d.weight",), conv, tuple(s[k] for k in conv)),
+            Rule("conv", (g + "conv1d.weight",), conv, tuple(s[k] for k in conv)),
             _linear("copy", g + "norm.weight", "gdn.norm.scale", s),
             _linear("T", g + "out_proj.weight", "gdn.out_proj.kernel", s),
-            _Rule("rows", (g + "in_proj_qkv.weight",), qkv, tuple(s[k] for k in qkv)),
+            Rule("rows", (g + "in_proj_qkv.weight",), qkv, tuple(s[k] for k in qkv)),
             _linear("T", g + "in_proj_z.weight", "gdn.in_proj_z.kernel", s),
             _linear("T", g + "in_proj_b.weight", "gdn.in_proj_b.kernel", s),
             _linear("T", g + "in_proj_a.weight", "gdn.in_proj_a.kernel", s),
@@ -246,7 +246,7 @@ def layer_rules(cfg: ModelConfig, layout: HFLayout, i: int) -> list[_Rule]:
     rules.append(_linear("T", m + "gate.weight", "moe.router.kernel", s))
     if layout.expert_layout == FUSED:
         rules += [
-            _Rule("gate_up", (m + "experts.gate_up_proj",), ("moe.wi_gate", "moe.wi_up"),
+            Rule("gate_up", (m + "experts.gate_up_proj",), ("moe.wi_gate", "moe.wi_up"),
                   (s["moe.wi_gate"], s["moe.wi_up"])),
             _linear("down", m + "experts.down_proj", "moe.wo", s),
         ]
@@ -254,7 +254,7 @@ def layer_rules(cfg: ModelConfig, layout: HFLayout, i: int) -> list[_Rule]:
         e = cfg.num_experts
         for hf_name, ours in (("gate_proj", "moe.wi_gate"), ("up_proj", "moe.wi_up"), ("down_proj", "moe.wo")):
             keys = tuple(f"{m}experts.{j}.{hf_name}.weight" for j in range(e))
-            rules.append(_Rule("experts", keys, (ours,), (s[ours],)))
+            rules.append(Rule("experts", keys, (ours,), (s[ours],)))
     for n in ("gate_proj", "up_proj", "down_proj"):
         rules.append(_linear("T", f"{m}shared_expert.{n}.weight", f"moe.shared_{n}.kernel", s))
     rules.append(_linear("T", m + "shared_expert_gate.weight", "moe.shared_gate.kernel", s))
@@ -265,7 +265,7 @@ def layer_rules(cfg: ModelConfig, layout: HFLayout, i: int) -> list[_Rule]:
     return rules
 
 
-def _clover_rules(cfg: ModelConfig, layout: HFLayout, g: str) -> list[_Rule]:
+def _clover_rules(cfg: ModelConfig, layout: HFLayout, g: str) -> list[Rule]:
     """The two Clover rules of a GDN layer (``g`` = its ``linear_attn.`` prefix; HF names in
     ``layout.clover_naming``); none if neither the checkpoint side (``layout.clover``) nor ours
     (block mode) has the tensors."""
@@ -274,14 +274,14 @@ def _clover_rules(cfg: ModelConfig, layout: HFLayout, g: str) -> list[_Rule]:
         return []
     sc_shape, right_shapes = hc.our_shapes(cfg)
     return [
-        _Rule("bd_scalars", tuple(g + n for n in hc.scalar_names(layout.clover_naming)) if hf else (), (hc.OUR_SCALARS,) if ours else (), (sc_shape,),
+        Rule("bd_scalars", tuple(g + n for n in hc.scalar_names(layout.clover_naming)) if hf else (), (hc.OUR_SCALARS,) if ours else (), (sc_shape,),
               init=cfg.bd_scalar_init),
-        _Rule("bd_right", (g + hc.right_name(layout.clover_naming),) if hf else (), hc.OUR_RIGHT if ours else (), right_shapes,
+        Rule("bd_right", (g + hc.right_name(layout.clover_naming),) if hf else (), hc.OUR_RIGHT if ours else (), right_shapes,
               like="gdn.conv_q.kernel" if hf else g + "conv1d.weight"),
     ]
 
 
-def expected_hf_shapes(rules: Iterable[_Rule]) -> dict[str, Shape]:
+def expected_hf_shapes(rules: Iterable[Rule]) -> dict[str, Shape]:
     """HF key -> HF shape, in rule order."""
     out: dict[str, Shape] = {}
     for r in rules:
@@ -340,6 +340,6 @@ def check_tensor_names(
 
 __all__ = [
     "EXPERT_LAYOUTS", "FUSED", "HFLayout", "HFMappingError", "HUB_PREFIX", "LM_HEAD_KEY", "PER_EXPERT",
-    "PLAIN_PREFIX", "Shape", "TEXT_PREFIXES", "all_expected_keys", "check_hf_shapes", "check_tensor_names",
+    "PLAIN_PREFIX", "Rule", "Shape", "TEXT_PREFIXES", "all_expected_keys", "check_hf_shapes", "check_tensor_names",
     "detect_layout", "expected_hf_shapes", "global_rules", "layer_rules",
 ]
