@@ -32,3 +32,39 @@ def tok():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CLOVER_JAX_CACHE", root)
         yield tokenizer.load_tokenizer()
+
+
+def _memory_maps() -> int:
+    """The number of memory mappings this process holds (Linux; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{os.getpid()}/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _max_memory_maps() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs(request):
+    """Drop every compiled program after each test module. XLA:CPU maps each executable's code
+    into its own memory regions; a long-lived xdist worker that keeps them all passes Linux's
+    vm.max_map_count (65,530) about three quarters into the suite, and the next compile's mmap
+    fails inside LLVM as a segfault. One test module stays under ~15k maps, so freeing them here
+    bounds the worker. A module that still holds more than half the limit after the clean-up
+    (programs kept alive by module globals) fails here, by name, instead of crashing a later one."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+    limit, held = _max_memory_maps(), _memory_maps()
+    if limit and held > limit // 2:
+        pytest.fail(f"{request.module.__name__} leaves {held} memory maps held after jax.clear_caches() "
+                    f"(vm.max_map_count {limit}): compiled programs kept alive past the module")

@@ -78,7 +78,9 @@ def test_export_clover_format(converted, tmp_path, capsys):
     assert rc == 0, err
     assert json.loads((exp / "config.json").read_text())["model_type"] == "clover_moe"
     assert ModelConfig.from_hf_file(exp).mode == "block"
-    assert "model.layers.0.linear_attn.bd_gdn_softmax_scalars" in read_all_tensors(exp)
+    names = read_all_tensors(exp)
+    assert "model.layers.0.linear_attn.bd_softmax_logit_scale" in names  # the default: split naming
+    assert not [n for n in names if "bd_gdn_" in n]
 
 
 def test_convert_refuses_existing_checkpoint(hf_dir, converted, capsys):
