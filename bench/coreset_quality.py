@@ -30,46 +30,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RECIPE = "configs/research_tool.yaml"
+from bench.recipe_quality import BFCL, EVAL_N, RECIPE, STUDY_MODEL, evaluate, eval_set, print_table, rows, train  # noqa: E402
+
 VARIANTS = {  # recipe overrides of --part trained
     "e64": ["model.num_experts=64", "model.num_experts_per_tok=8", "model.moe_intermediate_size=12",
             "model.block_size=32"],
     "e8": ["model.block_size=32"],  # the study's block-32 model itself (its `off` is models/calibration_study/32)
 }
-EVAL_N, EVAL_SEED = 200, 1  # configs/calibration_study.yaml: study.eval_n, study.eval_seed
-THRESHOLDS = (0.9, 0.95)
-
-
-def _eval_set(runs: Path, bfcl: str) -> Path:
-    """The calibration study's held-out eval prompts (sft.calibration_study._splits' eval half)."""
-    from sft.config import load_sft_config
-    from sft.data.converters import resolve_options
-    from sft.data.tool_task import generate_records, schemas_from_options, write_jsonl
-
-    path = runs / "eval.jsonl"
-    if not path.is_file():
-        recipe = load_sft_config(ROOT / RECIPE)
-        src = next(s for s in recipe.data.sources if s.format == "tool_task")
-        schemas = schemas_from_options(bfcl, resolve_options("tool_task", src.options, RECIPE))
-        runs.mkdir(parents=True, exist_ok=True)
-        write_jsonl(path, generate_records(EVAL_N, EVAL_SEED, "heldout", schemas))
-    return path
-
-
-def _train(run: Path, coreset: int | None, steps: int | None, variant: list[str]) -> Path:
-    from sft.config import load_sft_config
-    from sft.recipe import run_sft
-
-    hf = run / "hf"
-    if (hf / "config.json").is_file():
-        return hf
-    over = [*variant, f"logging.run_dir={run}", f"export.dir={hf}"]
-    over += [f"model.moe_block_coreset={coreset}"] if coreset else []
-    over += [f"train.steps={steps}"] if steps else []
-    res = run_sft(load_sft_config(ROOT / RECIPE, over))
-    if res.export_dir is None:
-        raise RuntimeError(f"{run}: training stopped at step {res.step} without an export")
-    return Path(res.export_dir)
 
 
 def _with_coreset(src: Path, dst: Path, c: int | None) -> Path:
@@ -85,45 +52,21 @@ def _with_coreset(src: Path, dst: Path, c: int | None) -> Path:
     return dst
 
 
-def _evaluate(hf: Path, out: Path, ev: Path, coreset_rule: str = "per_step") -> dict:
-    from clover_jax.decoding.calibrate import CalibrateConfig, run_calibrate
-    from clover_jax.yaml_config import from_tree
-
-    if not (out / "results.json").is_file():
-        tree = {"checkpoint": str(hf), "out_dir": str(out), "plots": False,
-                "eval": {"source": "jsonl", "path": str(ev), "n": EVAL_N},
-                "decode": {"max_new_tokens": 96, "batch_bucket": 8, "fast_compile": False, "coreset": coreset_rule},
-                "sweep": {"modes": ["threshold"], "block_sizes": [32], "thresholds": list(THRESHOLDS),
-                          "sub_block_sizes": [0], "calibration": [{}], "batch_size": 50,
-                          "quality_metric": "bfcl_accuracy"},
-                "loss": {"enabled": True, "block_sizes": [32], "t_values": [0.25, 0.5, 0.75], "n": 32}}
-        run_calibrate(from_tree(CalibrateConfig, tree, where="coreset_quality"))
-    return json.loads((out / "results.json").read_text())
-
-
-def _rows(res: dict, name: str, rule: str) -> list[dict]:
-    loss = {f"masked_ce_t{r['t']}": r["loss"] for r in res.get("loss", [])}
-    return [{"coreset": name, "rule": rule if r["mode"] != "ar" else "-", "mode": r["mode"],
-             "threshold": r["threshold"] if r["mode"] != "ar" else None, "validity": r["validity"],
-             "bfcl_accuracy": r["bfcl_accuracy"], "tokens_per_forward": r["tokens_per_forward"], **loss}
-            for r in res["rows"]]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=("imposed", "trained"), default="imposed")
     p.add_argument("--runs", default="runs/coreset_study")
-    p.add_argument("--model", default="models/calibration_study/32", help="--part imposed: the stored model")
+    p.add_argument("--model", default=STUDY_MODEL, help="--part imposed: the stored model")
     p.add_argument("--coresets", default=None, help="default: off,4,2 (imposed) / off,16,32 (trained)")
     p.add_argument("--steps", type=int, default=None, help="--part trained: train.steps (default: the recipe's)")
     p.add_argument("--variant", choices=sorted(VARIANTS), default="e64",
                    help="--part trained: e64 (64 experts, top 8) or e8 (the research model's 8 experts, top 2)")
-    p.add_argument("--bfcl", default=str(ROOT.parent / "shared/data/bfcl/BFCL_v4_simple_python.json"))
+    p.add_argument("--bfcl", default=BFCL)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     runs = Path(a.runs)
-    ev = _eval_set(runs, a.bfcl)
+    ev = eval_set(runs, a.bfcl)
     names = (a.coresets or ("off,4,2" if a.part == "imposed" else "off,16,32")).split(",")
     table = []
     for name in names:
@@ -132,18 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             hf = _with_coreset(ROOT / a.model, runs / "imposed" / name / "hf", c)
         else:
             print(f"== coreset {name}: train (if missing), then decode", flush=True)
-            hf = _train(runs / a.variant / name, c, a.steps, VARIANTS[a.variant])
+            hf = train(runs / a.variant / name, [*VARIANTS[a.variant], *([f"model.moe_block_coreset={c}"] if c else [])],
+                       a.steps)
         for rule in (("per_step",) if c is None else ("per_step", "first_step")):
             out = hf.parent / f"calibrate_{rule}"
-            table += [r for r in _rows(_evaluate(hf, out, ev, rule), name, rule)
-                      if rule == "per_step" or r["mode"] != "ar"]
-    print("\n| coreset C | rule | decoding | validity | argument accuracy | tokens per forward | masked CE t=0.25 / 0.5 / 0.75 |")
-    print("|---|---|---|---|---|---|---|")
-    for r in table:
-        how = "AR" if r["mode"] == "ar" else f"block 32, threshold {r['threshold']}"
-        ce = " / ".join(f"{r[k]:.3f}" for k in r if k.startswith("masked_ce"))
-        print(f"| {r['coreset']} | {r['rule']} | {how} | {r['validity']:.3f} | {r['bfcl_accuracy']:.3f} | "
-              f"{r['tokens_per_forward']:.2f} | {ce} |")
+            table += [{**r, "rule": rule if r["mode"] != "ar" else "-"}
+                      for r in rows(evaluate(hf, out, ev, rule), coreset=name) if rule == "per_step" or r["mode"] != "ar"]
+    print_table(table, ("coreset", "rule"))
     if a.out:
         Path(a.out).write_text(json.dumps({"part": a.part, "model": a.model if a.part == "imposed" else VARIANTS[a.variant],
                                            "recipe": RECIPE, "eval_n": EVAL_N, "rows": table,

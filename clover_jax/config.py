@@ -24,7 +24,7 @@ HF_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "clover_moe")
 CLOVER_ARCHITECTURE = "CloverMoeModelLM"
 #: Block-diffusion fields a `clover_moe` config.json carries besides the text fields (docs/design.md 3).
 CLOVER_HF_FIELDS = ("block_size", "mask_token_id", "logits_shift", "bd_alpha_init", "bd_beta_init", "bd_gamma_init",
-                    "moe_block_coreset")
+                    "moe_block_coreset", "response_block_align")
 
 
 class ModelConfigError(ValueError):
@@ -98,6 +98,9 @@ class ModelConfig:
     # noisy stream, decoding's block steps) take their top-k among the block's C experts of largest
     # router mass; None = free routing
     moe_block_coreset: int | None = None
+    # trained with every assistant response starting on the block grid (data.align_responses: block):
+    # the alignment in tokens, 0 = not; the decoder then pads each prompt to a multiple of it
+    response_block_align: int = 0
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -127,6 +130,8 @@ class ModelConfig:
         if c is not None and not self.num_experts_per_tok <= c <= self.num_experts:
             raise ModelConfigError(f"moe_block_coreset {c} must be null or in [num_experts_per_tok="
                                    f"{self.num_experts_per_tok}, num_experts={self.num_experts}]")
+        if self.response_block_align < 0:
+            raise ModelConfigError(f"response_block_align must be >= 0, got {self.response_block_align}")
         sizes = self.block_size if isinstance(self.block_size, tuple) else (self.block_size,)
         if isinstance(self.block_size, list):
             object.__setattr__(self, "block_size", tuple(self.block_size))

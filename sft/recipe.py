@@ -339,6 +339,8 @@ def prepare(cfg: SFTConfig) -> SFTSetup:
         mcfg = subset_model_ids(mcfg, tok_dir, cfg.vocab_subset.pad_to)
     mcfg = resolve_mask_token(mcfg, cfg, tok_dir)
     data = open_data(cfg, mcfg, tok_dir)
+    # the checkpoint and its export say how responses were laid out (the decoder pads prompts to match)
+    mcfg = mcfg.replace(response_block_align=data.cfg.block_align if cfg.data.align_responses == "block" else 0)
     devices = jax.devices()[: cfg.devices] if cfg.devices else jax.devices()
     if cfg.devices and len(devices) < cfg.devices:
         raise ConfigError(f"devices: {cfg.devices} requested, {len(devices)} available")

@@ -24,6 +24,7 @@ import csv
 import dataclasses
 import functools
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,24 +316,29 @@ def block_logits_fn(model) -> Any:
 
 def masked_loss_table(model, examples: list[EvalExample], cfg: LossEvalConfig, mask_id: int) -> list[dict]:
     """Masked-token CE of the model per (block size, t): reference tokens masked with probability t
-    (the same uniform draws for every block size), one document per block-aligned row."""
-    docs = [e.prompt_ids + e.reference_ids for e in examples[: cfg.n]]
-    n_prompt = [len(e.prompt_ids) for e in examples[: cfg.n]]
+    (the same uniform draws for every block size), one document per block-aligned row. A model
+    trained with block-aligned responses (`response_block_align`) gets the decoder's prompt pads."""
+    exs = examples[: cfg.n]
+    align, pad = model.cfg.response_block_align, model.cfg.pad_token_id or 0
     rng = np.random.default_rng(cfg.seed)
-    longest = max(len(d) for d in docs)
-    u = rng.random((len(docs), longest))
+    # one draw per token of the unpadded document, taken by its reference token whatever the padding
+    u = rng.random((len(exs), max(len(e.prompt_ids) + len(e.reference_ids) for e in exs)))
     fwd = block_logits_fn(model)
     rows = []
     for k in cfg.block_sizes:
+        unit = math.lcm(align, k) if align else 1
+        n_prompt = [len(e.prompt_ids) + (-len(e.prompt_ids) % unit) for e in exs]
+        longest = max(p + len(e.reference_ids) for p, e in zip(n_prompt, exs))
         t_len = -(-longest // k) * k
-        ids = np.zeros((len(docs), t_len), np.int32)
-        seg = np.zeros((len(docs), t_len), np.int32)
-        target = np.zeros((len(docs), t_len), bool)
-        for i, d in enumerate(docs):
-            ids[i, : len(d)], seg[i, : len(d)] = d, 1
-            target[i, n_prompt[i]: len(d)] = True
+        ids = np.full((len(exs), t_len), pad, np.int32)
+        seg = np.zeros((len(exs), t_len), np.int32)
+        draw = np.ones((len(exs), t_len))
+        for i, (p, e) in enumerate(zip(n_prompt, exs)):
+            end = p + len(e.reference_ids)
+            ids[i, : len(e.prompt_ids)], ids[i, p: end], seg[i, : end] = e.prompt_ids, e.reference_ids, 1
+            draw[i, p: end] = u[i, len(e.prompt_ids): len(e.prompt_ids) + len(e.reference_ids)]
         for t in cfg.t_values:
-            masked = target & (np.pad(u, ((0, 0), (0, t_len - longest)), constant_values=1.0) < t)
+            masked = draw < t
             noisy = np.where(masked, mask_id, ids).astype(np.int32)
             logp = jax.nn.log_softmax(fwd(ids, noisy, seg, k))
             nll = -np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids)[..., None], -1)[..., 0])

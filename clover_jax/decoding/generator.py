@@ -125,6 +125,10 @@ class DecodeConfig:
     # its canvas (what training does at every noise level); "first_step" keeps the block's first step's
     # coresets for the rest of the block
     coreset: Literal["per_step", "first_step"] = "per_step"
+    # pad tokens after each prompt up to a multiple of lcm(prompt_align, block size) (AR: of
+    # prompt_align), so the response starts on the block grid; None = the checkpoint's
+    # `response_block_align` (what its training data did: data.align_responses), 0 = no padding
+    prompt_align: int | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -156,6 +160,8 @@ class DecodeConfig:
             bad(f"length_bucket must be >= 1, got {self.length_bucket}")
         if self.batch_bucket < 1:
             bad(f"batch_bucket must be >= 1, got {self.batch_bucket}")
+        if self.prompt_align is not None and self.prompt_align < 0:
+            bad(f"prompt_align must be >= 0 or null, got {self.prompt_align}")
         if self.vocab_limit is not None and self.vocab_limit < 1:
             bad(f"vocab_limit must be >= 1 or null, got {self.vocab_limit}")
         if self.eos_token_ids is not None:
@@ -303,6 +309,8 @@ class Decoder:
                               "model's vocabulary)")
         self.mask_id = dcfg.mask_token_id if dcfg.mask_token_id is not None else cfg.mask_token_id
         self.pad_id = dcfg.pad_token_id if dcfg.pad_token_id is not None else (cfg.pad_token_id or 0)
+        align = cfg.response_block_align if dcfg.prompt_align is None else dcfg.prompt_align
+        self.prompt_unit = (align if dcfg.mode == "ar" else math.lcm(align, self.block)) if align else 1
         if dcfg.mode != "ar":
             if cfg.mode != "block":
                 raise DecodeError(f"decode.mode={dcfg.mode} needs a block-diffusion (clover_moe) checkpoint; this "
@@ -361,7 +369,9 @@ class Decoder:
                  stream: Callable[[int, list[list[int]]], None] | None = None) -> DecodeOutput:
         """Decodes every prompt (lists of token ids) in one batch. `stream(block_index, new_tokens)`
         is called after every block with each row's newly finished tokens (EOS cut)."""
-        n_real = len(prompts)
+        n_real, given = len(prompts), prompts
+        # a checkpoint trained with block-aligned responses: pads after each prompt (see prompt_align)
+        prompts = [list(p) + [self.pad_id] * (-len(p) % self.prompt_unit) for p in prompts]
         if n_real and self.dcfg.batch_bucket > 1:  # dummy rows (finished from the start): fewer shapes
             prompts = list(prompts) + [prompts[0]] * (_round_up(n_real, self.dcfg.batch_bucket) - n_real)
         lay = self.layout(prompts)
@@ -406,7 +416,7 @@ class Decoder:
                 break
         host = jax.device_get(carry)
         wall = time.perf_counter() - t0
-        return self._results(prompts[:n_real], lay, host, wall, ttft or wall)
+        return self._results(given, lay, host, wall, ttft or wall)
 
     def _extract(self, tokens: np.ndarray, lay: Layout, upto: int | None = None) -> list[list[int]]:
         """Generated tokens per row (slots < `upto`), cut after the first EOS and at the first

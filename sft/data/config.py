@@ -147,6 +147,9 @@ class DataConfig:
       it can never spin forever without forming a batch.
     - ``eval_fraction``: share of each source held out for eval, chosen by a hash of the record
       content (deterministic, independent of order and seed).
+    - ``align_responses``: ``block`` pads (no loss) before every assistant response so that it
+      starts on the block grid (a multiple of ``block_align``); the trained model records it and the
+      decoder pads prompts the same way. ``none`` (default): responses start where the prompt ends.
     - ``think``: keep or drop assistant ``reasoning_content``.
     - ``pack``: first-fit packing of several documents per row (``false``: one per row).
     - ``pack_open_rows``: rows the first-fit packer keeps open (more = less padding).
@@ -165,6 +168,7 @@ class DataConfig:
     shuffle: bool = True
     batch_size: int = 8
     think: Literal["keep", "drop"] = "keep"
+    align_responses: Literal["none", "block"] = "none"
     pack: bool = True
     pack_open_rows: int = 8
     tokenizer: str | None = None
@@ -180,6 +184,8 @@ class DataConfig:
         if self.seq_len < 1 or self.seq_len % self.block_align:
             raise ConfigError(f"seq_len: must be a positive multiple of block_align "
                               f"({self.block_align}), got {self.seq_len}")
+        if self.align_responses not in ("none", "block"):
+            raise ConfigError(f"align_responses: expected 'none' or 'block', got {self.align_responses!r}")
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ConfigError(f"max_bad_fraction: must be in [0, 1], got {self.max_bad_fraction}")
         if self.bad_window < 1:

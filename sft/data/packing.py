@@ -17,6 +17,12 @@ by the document's leading system block (tools included) when that block is at mo
 tokens, so a tool-use continuation still sees its tool schemas; a single block longer than the
 room is cut at the token limit (``hard_cuts``). Pieces without any loss token are dropped (they
 teach nothing). ``drop`` drops the document. Both are counted by the caller.
+
+Response alignment (``align`` > 0, ``data.align_responses: block``): in every piece, pad tokens (no
+loss, same document) go before each assistant response (each run of loss tokens), so that every
+response starts at a multiple of ``align`` within the piece, hence on the block grid: no block mixes
+a prompt's tail with response slots. The decoder pads a prompt the same way. Pieces are cut from the
+unpadded document and their padded length is what must fit ``seq_len``.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import numpy as np
 
 from sft.data.render import Doc
 
-__all__ = ["BlockPacker", "Piece", "SplitResult", "assemble_row", "empty_row", "split_doc"]
+__all__ = ["BlockPacker", "Piece", "SplitResult", "align_responses", "assemble_row", "empty_row", "split_doc"]
 
 
 @dataclass(frozen=True)
@@ -53,16 +59,48 @@ class SplitResult:
     overlong: bool = False
     hard_cuts: int = 0
     dropped_no_loss: int = 0
+    response_pads: int = 0  # pad tokens the response alignment put into the kept pieces
+
+
+def align_responses(ids: np.ndarray, mask: np.ndarray, align: int,
+                    pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` int32 [n], ``mask`` bool [n] -> the same with ``pad_id`` tokens (mask False) inserted
+    before every run of loss tokens, so each run starts at a multiple of ``align``. ``align`` <= 1
+    returns the inputs. Invariant: removing the pads gives back ``ids`` and ``mask``."""
+    starts = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]])) if align > 1 else ()
+    out_ids, out_mask, prev, shift = [], [], 0, 0
+    for s in starts:
+        gap = -(int(s) + shift) % align
+        out_ids += [ids[prev:s], np.full(gap, pad_id, ids.dtype)]
+        out_mask += [mask[prev:s], np.zeros(gap, bool)]
+        prev, shift = int(s), shift + gap
+    if not out_ids:
+        return ids, mask
+    return np.concatenate([*out_ids, ids[prev:]]), np.concatenate([*out_mask, mask[prev:]])
 
 
 def split_doc(doc: Doc, seq_len: int, mode: Literal["split_turns", "drop"],
-              doc_index: int = 0) -> SplitResult:
-    """Pieces of ``doc`` that fit in ``seq_len`` (see the module docstring)."""
+              doc_index: int = 0, align: int = 0, pad_id: int = 0) -> SplitResult:
+    """Pieces of ``doc`` that fit in ``seq_len``; with ``align`` > 1 each piece's responses are
+    aligned with ``pad_id`` (see the module docstring)."""
+
+    def piece(start: int, end: int, prefix: int) -> tuple[np.ndarray, np.ndarray]:
+        whole = start == 0 and end == len(doc)
+        ids, mask = (doc.input_ids, doc.loss_mask) if whole else (doc.input_ids[start:end], doc.loss_mask[start:end])
+        if prefix:
+            ids = np.concatenate([doc.input_ids[:prefix], ids])
+            mask = np.concatenate([np.zeros(prefix, bool), mask])
+        return align_responses(ids, mask, align, pad_id)
+
+    def fits(start: int, end: int, prefix: int) -> bool:
+        return len(piece(start, end, prefix)[0]) <= seq_len
+
     n = len(doc)
-    if n <= seq_len:
-        keep = bool(doc.loss_mask.any())
-        return SplitResult([Piece(doc.input_ids, doc.loss_mask, (doc_index, 0), doc.source, doc.loc)]
-                           if keep else [], dropped_no_loss=0 if keep else 1)
+    if n <= seq_len and fits(0, n, 0):
+        ids, mask = piece(0, n, 0)
+        keep = bool(mask.any())
+        return SplitResult([Piece(ids, mask, (doc_index, 0), doc.source, doc.loc)] if keep else [],
+                           dropped_no_loss=0 if keep else 1, response_pads=len(ids) - n if keep else 0)
     res = SplitResult(overlong=True)
     if mode == "drop":
         return res
@@ -71,18 +109,29 @@ def split_doc(doc: Doc, seq_len: int, mode: Literal["split_turns", "drop"],
     cursor, k = 0, 0
     while cursor < n:
         prefix = header if cursor > 0 else 0
-        room = seq_len - prefix
-        # the furthest block boundary that fits; none -> cut the oversized block at the limit
-        fits = [b for b in bounds if cursor < b <= cursor + room]
-        end = fits[-1] if fits else cursor + room
-        if not fits:
+        # the furthest block boundary that fits (the padded length grows with the end: bisect);
+        # none -> cut the oversized block at the furthest token that fits
+        cands = [b for b in bounds if cursor < b <= cursor + seq_len - prefix]
+        lo, hi = 0, len(cands)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if fits(cursor, cands[mid], prefix) else (lo, mid)
+        if lo:
+            end = cands[lo - 1]
+        else:
             res.hard_cuts += 1
-        ids, mask = doc.input_ids[cursor:end], doc.loss_mask[cursor:end]
-        if prefix:
-            ids = np.concatenate([doc.input_ids[:prefix], ids])
-            mask = np.concatenate([np.zeros(prefix, bool), mask])
+            lo, hi = cursor + 1, cursor + seq_len - prefix
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(cursor, mid, prefix) else (lo, mid - 1)
+            if not fits(cursor, lo, prefix):
+                raise ValueError(f"{doc.loc}: seq_len {seq_len} has no room for one token after the "
+                                 f"{prefix}-token header and the response alignment to {align}")
+            end = lo
+        ids, mask = piece(cursor, end, prefix)
         if mask.any():
             res.pieces.append(Piece(ids, mask, (doc_index, k), doc.source, doc.loc))
+            res.response_pads += len(ids) - (end - cursor) - prefix
         else:
             res.dropped_no_loss += 1
         cursor, k = end, k + 1

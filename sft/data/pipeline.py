@@ -50,7 +50,7 @@ from sft.data.sources import LoadedSource, load_source
 __all__ = ["PackedBatchIterator", "SFTData", "source_seed"]
 
 _COUNTERS = ("docs", "render_bad", "overlong_split", "overlong_dropped", "hard_cuts",
-             "dropped_no_loss", "pieces", "tokens", "loss_tokens")
+             "dropped_no_loss", "pieces", "tokens", "loss_tokens", "response_pads")
 
 
 def source_seed(seed: int, name: str) -> int:
@@ -157,7 +157,9 @@ class PackedBatchIterator(grain.DatasetIterator):
         doc = self._docs[index]
         if isinstance(doc, DataError):
             return doc, None
-        return doc, split_doc(doc, self._cfg.seq_len, self._cfg.overlong, doc_index=index)
+        align = self._cfg.block_align if self._cfg.align_responses == "block" else 0
+        return doc, split_doc(doc, self._cfg.seq_len, self._cfg.overlong, doc_index=index, align=align,
+                              pad_id=self._pad)
 
     def _pull(self) -> bool:
         """Read, split and pack the next document; False when a finite stream is exhausted."""
@@ -179,6 +181,7 @@ class PackedBatchIterator(grain.DatasetIterator):
         if res.overlong:
             c["overlong_split" if self._cfg.overlong == "split_turns" else "overlong_dropped"] += 1
         c["hard_cuts"] += res.hard_cuts
+        c["response_pads"] += res.response_pads
         c["dropped_no_loss"] += res.dropped_no_loss
         for p in res.pieces:
             c["pieces"] += 1

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
+from flax import nnx
 
 import launch
 from clover_jax.api import load_hf
@@ -85,31 +87,39 @@ def test_calibrate_tiny_writes_complete_results(tmp_path, capsys):
                 assert float(p["share"]) == share[int(p["gdn_layer"]), int(p["position"])]
 
 
-def test_masked_loss_matches_direct_computation():
+@pytest.mark.parametrize("align", [0, 8])
+def test_masked_loss_matches_direct_computation(align):
     """At t = 1 every reference token is masked: the table's loss is the mean CE over all of them,
-    recomputed here from the logits (rows built by hand, the forward shared with the table)."""
+    recomputed here from the logits (rows built by hand, the forward shared with the table). A model
+    trained with aligned responses (`response_block_align` 8) is scored with its prompts padded to the
+    block grid (lcm(8, 32) = 32), as the decoder pads them."""
     ckpt = trained_checkpoint()
     cfg, model = load_hf(ckpt)
+    if align:
+        model = nnx.clone(model)
+        model.cfg = cfg = cfg.replace(response_block_align=align)
     ex = build_examples(load_tokenizer(ckpt), eval_records(4))  # the 4 rows of the calibrate run above
     rows = masked_loss_table(model, ex, LossEvalConfig(block_sizes=(32,), t_values=(1.0,), n=4), cfg.mask_token_id)
-    t = -(-max(len(e.prompt_ids) + len(e.reference_ids) for e in ex) // 32) * 32
+    starts = [len(e.prompt_ids) + (-len(e.prompt_ids) % 32 if align else 0) for e in ex]
+    t = -(-max(s + len(e.reference_ids) for s, e in zip(starts, ex)) // 32) * 32
     ids = np.zeros((len(ex), t), np.int32)
     seg = np.zeros((len(ex), t), np.int32)
-    for i, e in enumerate(ex):
-        doc = e.prompt_ids + e.reference_ids
+    for i, (s, e) in enumerate(zip(starts, ex)):
+        doc = e.prompt_ids + [cfg.pad_token_id] * (s - len(e.prompt_ids)) + e.reference_ids
         ids[i, : len(doc)], seg[i, : len(doc)] = doc, 1
     noisy = ids.copy()
-    for i, e in enumerate(ex):
-        noisy[i, len(e.prompt_ids): len(e.prompt_ids) + len(e.reference_ids)] = cfg.mask_token_id
+    for i, (s, e) in enumerate(zip(starts, ex)):
+        noisy[i, s: s + len(e.reference_ids)] = cfg.mask_token_id
     logits = np.asarray(block_logits_fn(model)(ids, noisy, seg, 32), np.float64)
     nll = []
-    for i, e in enumerate(ex):
-        doc = e.prompt_ids + e.reference_ids
-        for p in range(len(e.prompt_ids), len(doc)):
+    for i, (s, e) in enumerate(zip(starts, ex)):
+        for p in range(s, s + len(e.reference_ids)):
             lg = logits[i, p]
-            nll.append(np.log(np.exp(lg - lg.max()).sum()) + lg.max() - lg[doc[p]])
+            nll.append(np.log(np.exp(lg - lg.max()).sum()) + lg.max() - lg[ids[i, p]])
     assert rows[0]["masked_tokens"] == len(nll)
     np.testing.assert_allclose(rows[0]["loss"], np.mean(nll), rtol=1e-4)
+    if align:
+        assert any(s > len(e.prompt_ids) for s, e in zip(starts, ex)), "no prompt needed padding"
 
 
 def test_quality_metrics_on_hand_made_outputs():

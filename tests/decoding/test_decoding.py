@@ -476,3 +476,27 @@ def test_coreset_decoding_per_step_equals_recompute_and_first_step_is_wired():
     assert f != a
     assert decode(model, ps, mode="ar", eos_token_ids=(), coreset="first_step")[0] == \
         decode(model, ps, mode="ar", eos_token_ids=())[0]
+
+
+def test_prompt_alignment_pads_prompts_onto_the_grid():
+    """`decode.prompt_align` A: each prompt gets pad tokens up to a multiple of lcm(A, block), which
+    is decoding the hand-padded prompts without alignment (the oracle); the generation keeps the
+    caller's prompt. None takes the checkpoint's `response_block_align`, AR pads to A alone."""
+    model = random_model()
+    ps = [list(p) for p in prompts()[:2]]
+    kw = dict(block_size=4, threshold=0.9, eos_token_ids=())
+    pad = Decoder(model, dcfg(**kw)).pad_id
+    unit = 8  # lcm(8, 4)
+    assert any(len(p) % unit for p in ps), "the prompts must need padding for this test to mean anything"
+    padded = [p + [pad] * (-len(p) % unit) for p in ps]
+    got, out = decode(model, ps, prompt_align=8, **kw)
+    want, _ = decode(model, padded, prompt_align=0, **kw)
+    assert got == want and [g.prompt_ids for g in out.generations] == ps
+    trained_aligned = nnx.clone(model)
+    trained_aligned.cfg = model.cfg.replace(response_block_align=8)
+    assert Decoder(trained_aligned, dcfg(block_size=16)).prompt_unit == 16
+    assert Decoder(trained_aligned, dcfg(mode="ar")).prompt_unit == 8
+    assert Decoder(trained_aligned, dcfg(block_size=16, prompt_align=0)).prompt_unit == 1
+    assert Decoder(model, dcfg(block_size=16)).prompt_unit == 1
+    with pytest.raises(DecodeError, match="prompt_align"):
+        DecodeConfig(prompt_align=-1)

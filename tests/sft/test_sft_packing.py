@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from sft.data.config import block_align_for
-from sft.data.packing import BlockPacker, Piece, assemble_row, split_doc
+from sft.data.packing import BlockPacker, Piece, align_responses, assemble_row, split_doc
 from sft.data.render import Doc
 
 PAD, IM_START = 7, 9
@@ -176,3 +176,70 @@ def test_split_hard_cut_drop_mode_and_no_loss_pieces():
 def test_block_align_is_lcm_of_block_sizes():
     assert block_align_for(32) == 32 and block_align_for((4, 8, 32)) == 32
     assert block_align_for((4, 6)) == 12
+
+
+def _unpad(ids, mask, pad_at):
+    keep = ~pad_at
+    return ids[keep], mask[keep]
+
+
+def _response_starts(mask):
+    return np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))
+
+
+@pytest.mark.parametrize("align", [1, 4, 32])
+def test_align_responses_puts_every_response_on_the_grid(align):
+    """Every run of loss tokens starts at a multiple of `align`; the inserted tokens are the pad,
+    carry no loss and sit right before a response; removing them gives the input back."""
+    rng = np.random.default_rng(align)
+    for _ in range(20):
+        doc = make_doc(rng, n_blocks=int(rng.integers(1, 9)))
+        ids, mask = align_responses(doc.input_ids, doc.loss_mask, align, PAD)
+        assert ids.dtype == doc.input_ids.dtype and mask.dtype == bool
+        assert all(s % align == 0 for s in _response_starts(mask))
+        # the pads: a lossless prefix-preserving insertion (random ids are >= 100, never PAD)
+        pad_at = ids == PAD
+        assert not mask[pad_at].any()
+        back_ids, back_mask = _unpad(ids, mask, pad_at)
+        assert (back_ids == doc.input_ids).all() and (back_mask == doc.loss_mask).all()
+        # each gap is the smallest that aligns: fewer than `align` pads, and only before responses
+        runs = np.split(np.flatnonzero(pad_at), np.flatnonzero(np.diff(np.flatnonzero(pad_at)) > 1) + 1)
+        for r in (r for r in runs if r.size):
+            assert r.size < align and mask[r[-1] + 1]
+        if align == 1:
+            assert ids is doc.input_ids
+
+
+def test_split_with_alignment_fits_and_covers_the_document():
+    """Overlong documents with alignment: every piece fits seq_len after padding, its responses are on
+    the grid, and the pieces (pads and repeated headers removed) cover the document exactly once."""
+    rng = np.random.default_rng(7)
+    header, seq_len, align = 10, 64, 8
+    for trial in range(10):
+        doc = make_doc(rng, n_blocks=30, header=header)
+        res = split_doc(doc, seq_len, "split_turns", align=align, pad_id=PAD)
+        assert res.overlong and res.hard_cuts == 0
+        body = []
+        for k, p in enumerate(res.pieces):
+            assert len(p) <= seq_len
+            assert all(s % align == 0 for s in _response_starts(p.mask))
+            ids, mask = _unpad(p.ids, p.mask, p.ids == PAD)
+            if k:
+                assert (ids[:header] == doc.input_ids[:header]).all()
+                ids, mask = ids[header:], mask[header:]
+            body.append((ids, mask))
+        # pieces without loss are dropped; with this doc's mask every piece has loss
+        assert res.dropped_no_loss == 0
+        assert res.response_pads == sum(int((p.ids == PAD).sum()) for p in res.pieces) > 0
+        assert (np.concatenate([b[0] for b in body]) == doc.input_ids).all()
+        assert (np.concatenate([b[1] for b in body]) == doc.loss_mask).all()
+    # a fitting document grows by its pads and may then need a split
+    short = Doc(np.asarray([IM_START, 101, 102, 103, 104, 105], np.int32),
+                np.asarray([0, 0, 0, 1, 1, 1], bool), np.asarray([0], np.int32))
+    one = split_doc(short, 8, "split_turns", align=4, pad_id=PAD)
+    assert not one.overlong and one.pieces[0].ids.tolist() == [IM_START, 101, 102, PAD, 103, 104, 105]
+    assert one.response_pads == 1 and split_doc(short, 8, "split_turns").response_pads == 0
+    cut = split_doc(short, 8, "split_turns", align=8, pad_id=PAD)  # 3 + 5 pads + 3 > 8
+    assert cut.overlong and cut.hard_cuts >= 1
+    assert all(len(p) <= 8 and all(s % 8 == 0 for s in _response_starts(p.mask)) for p in cut.pieces)
+    assert np.concatenate([_unpad(p.ids, p.mask, p.ids == PAD)[0] for p in cut.pieces]).tolist()[-3:] == [103, 104, 105]

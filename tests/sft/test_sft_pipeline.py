@@ -83,6 +83,40 @@ def test_batches_hold_the_rendered_train_records(tok, data):
     assert all((b["input_ids"][b["segment_ids"] == 0] == pad).all() for b in batches)
 
 
+def test_aligned_responses_start_on_the_grid_after_the_assistant_header(tok, mix_cfg):
+    """`align_responses: block`: every assistant response (run of loss tokens) starts at a multiple of
+    the alignment within its document; the pads sit between `<|im_start|>assistant\n` and the
+    response, carry no loss, and removing them gives the rendered record (the oracle) back. The
+    iterator state still restores exactly."""
+    data = SFTData(DataConfig(**{**mix_cfg.__dict__, "align_responses": "block"}), tok)
+    it = data.train_iterator()
+    batches = take(it, 4)
+    pad = tok.convert_tokens_to_ids(T.ENDOFTEXT)
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    train = rendered(tok, data, "train")
+    n_padded = 0
+    for ids, mask in (d for b in batches for d in segments(b)):
+        ids, mask = np.asarray(ids), np.asarray(mask)
+        starts = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))
+        assert starts.size and all(s % ALIGN == 0 for s in starts)
+        pads = ids == pad
+        assert not mask[pads].any()
+        for s in starts:  # the header, then only pads, then the response
+            j = s
+            while pads[j - 1]:
+                j -= 1
+            n_padded += s - j
+            assert ids[j - len(header): j].tolist() == header
+        assert train.get(tuple(ids[~pads].tolist())) == tuple(mask[~pads].tolist())
+    assert n_padded > 0
+    assert sum(s["response_pads"] for s in it.stats()["sources"].values()) >= n_padded
+    state = json.loads(json.dumps(it.get_state()))
+    want = take(it, 2)
+    again = data.train_iterator()
+    again.set_state(state)
+    assert same(take(again, 2), want)
+
+
 def test_deterministic_and_seeded(tok, data, mix_cfg):
     a = take(data.train_iterator(), 3)
     assert same(a, take(SFTData(mix_cfg, tok).train_iterator(), 3))  # a fresh build: identical

@@ -498,3 +498,23 @@ def test_layer_stack_unrolls_on_cpu_unless_the_recipe_says(runs):
         for set_to in (True, False):
             spec = ModelSpec(overrides={"scan_layers": set_to})
             assert platform_scan_default(cfg.replace(scan_layers=set_to), spec, platform).scan_layers is set_to
+
+
+def test_aligned_responses_are_recorded_in_the_model_config_and_its_export(runs, tmp_path):
+    """`data.align_responses: block` sets `response_block_align` to the packing alignment (the lcm of
+    data.block_align and the block sizes) in the run's model config; the Clover export writes it and
+    loading the export reads it back (so the decoder pads prompts); `none` records 0."""
+    from clover_jax.api import save_hf
+    from clover_jax.config import ModelConfig
+    from clover_jax.model.clover_model import create_model
+    from sft.config import load_sft_config
+    from sft.recipe import prepare
+
+    on = prepare(load_sft_config(runs["cfg_a"], ["data.align_responses=block"]))
+    assert on.model_cfg.response_block_align == on.data.cfg.block_align > 1
+    assert prepare(load_sft_config(runs["cfg_a"])).model_cfg.response_block_align == 0
+    mcfg = on.model_cfg.replace(param_dtype="float32", dtype="float32")
+    save_hf(create_model(mcfg, seed=0), mcfg, tmp_path / "hf", format="clover")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["response_block_align"] == on.data.cfg.block_align
+    assert ModelConfig.from_hf_dict(written).response_block_align == on.data.cfg.block_align
