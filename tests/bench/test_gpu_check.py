@@ -1,0 +1,126 @@
+"""bench/gpu_check.py, the one-call GPU check of the whole job, in its --smoke mode.
+
+The script runs once, unattended, on a lent GPU with minutes of budget; this runs the same code on CPU
+(tiny widths, fp32, the Pallas kernels interpreted) so that it cannot rot unnoticed. The oracle of
+part a is the script's own comparison of the recipe's loss and gradients, kernels (Pallas GDN + flash
+attention) vs the XLA reference path. Measured in --smoke (2 CPU cores): loss 8.6e-8, global gradient
+norm 4.9e-8, gradient L2 2.4e-7 relative; every leaf within 1e-6 (L2, relative) except the GDN gate's
+parameters (dt_bias 3.0e-4, A_log 2.8e-4, in_proj_a 1.6e-5), whose gradients are sums over tokens of
+dg of both signs: bounds BELOW for those at ~10x the measurement, for the rest at 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from tests.bench.bench_import import bench_module  # noqa: E402
+
+gpu_check = bench_module("gpu_check")
+
+GATE_LEAVES = ("gdn.dt_bias", "gdn.A_log", "gdn.in_proj_a.kernel")
+FP32_REL = 1e-5  # every agreement number but the gate leaves (measured <= 1e-6)
+GATE_REL = 3e-3  # the gate leaves (measured <= 3.0e-4)
+
+
+def test_smoke_runs_every_part_and_the_kernels_match_the_reference(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    report = gpu_check.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["meta"]["smoke"] and report["meta"]["jax"] and "date" in report["meta"]
+    assert {k: p["status"] for k, p in report["parts"].items()} == {"a": "ok", "b": "ok", "c": "ok"}, report["parts"]
+
+    a = report["parts"]["a"]["result"]
+    ag = a["agreement"]
+    assert a["backends"]["kernels"] == {"gdn_backend": "pallas", "attn_backend": "flash"}
+    assert ag["loss"]["rel"] <= FP32_REL and ag["grad_norm"]["rel"] <= FP32_REL, ag
+    assert ag["grad_rel_l2_global"] <= FP32_REL, ag["grad_rel_l2_global"]
+    assert ag["metrics"]["kernels"]["num_masked"] == ag["metrics"]["reference"]["num_masked"] > 0
+    assert len(ag["leaves"]) > 20
+    for leaf, err in ag["leaves"].items():
+        bound = GATE_REL if leaf.endswith(GATE_LEAVES) else FP32_REL
+        assert err["rel_l2"] <= bound and err["rel_max"] <= bound, (leaf, err)
+    step = a["step"]["kernels"]
+    assert step["step_s"] > 0 and step["tokens_per_s"] > 0 and step["mfu"] > 0
+    assert step["cost"]["hlo_flops"] > 0 and step["cost"]["hlo_hbm_bytes"] > 0
+    # --smoke predicts for an H100 (train/roofline.py's table), beside the measured time
+    assert step["roofline"]["chip"] == "H100 SXM" and step["roofline"]["measured_over_predicted"] > 0
+    assert step["roofline_analytic_flops"]["flops"] == step["analytic_executed_flops"]
+    assert a["step"]["reference"] == {"skipped": "--smoke compiles the kernels' step only"}
+
+    b = report["parts"]["b"]["result"]
+    [row] = b["rows"].values()
+    assert set(row["ms"]) == {"block_free", "block_c4", "ar", "commit"} and not row["skipped_ops"]
+    assert all(ms > 0 for ms in row["ms"].values())
+    # prefill (4 commit passes) + the AR and commit steps, each 1 warm-up + 1 timed call, advanced the cache
+    assert row["cache_index_after"] == 128 + 2 * 1 + 2 * 32
+
+    c = report["parts"]["c"]["result"]
+    for name in ("gdn_device", "attention_gpu"):
+        assert c[name]["status"] == "ok"
+        assert json.loads(open(c[name]["out"]).read()) == json.loads(json.dumps(c[name]["report"]))
+        assert c[name]["out"] == str(tmp_path / f"gpu_check_{name}.json")
+        assert all(err <= 1e-4 for row in c[name]["report"]["rows"] for err in row["errors"].values())
+
+
+def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
+    out = tmp_path / "r.json"
+    seen = {}
+
+    def boom(args, res, save, deadline):
+        res["half_done"] = 1
+        raise ValueError("part a broke")
+
+    def next_part(args, res, save, deadline):
+        seen["json_before"] = json.loads(out.read_text())  # written after the failed part
+        res["fine"] = True
+        return "fine"
+
+    monkeypatch.setitem(gpu_check.PARTS, "a", ("sft_step", boom))
+    monkeypatch.setitem(gpu_check.PARTS, "b", ("decode", next_part))
+    report = gpu_check.main(["--smoke", "--parts", "a,b", "--out", str(out)])
+    a, b = report["parts"]["a"], report["parts"]["b"]
+    assert a["status"] == "error" and "ValueError: part a broke" in a["error"] and "boom" in a["error"]
+    assert a["result"] == {"half_done": 1}  # what it measured before raising stays
+    assert b["status"] == "ok" and b["summary"] == "fine"
+    assert seen["json_before"]["parts"]["a"]["status"] == "error"
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+
+
+def test_the_budget_skips_parts_and_says_why(tmp_path):
+    out = tmp_path / "r.json"
+    report = gpu_check.main(["--smoke", "--budget-s", "0", "--out", str(out)])
+    assert list(report["parts"]) == ["a", "b", "c"]
+    for p in report["parts"].values():
+        assert p["status"] == "skipped" and p["reason"].startswith("budget spent"), p
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+
+
+def test_the_out_default_and_bad_arguments(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu_check.parse([]).out == tmp_path / "gpu_check.json"
+    with pytest.raises(SystemExit):
+        gpu_check.parse(["--parts", "a,x"])
+    assert "--parts: unknown ['x']" in capsys.readouterr().err
+
+
+def test_chips_and_predictions_without_figures():
+    assert [gpu_check.chip_of(k) for k in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "TPU v5p", "TPU v5 lite", "cpu")] \
+        == ["h100", "h200", "v5p", "v5e", None]
+    from types import SimpleNamespace
+
+    flops = SimpleNamespace(model=2e12, executed=3e12)
+    cost = {"hlo_flops": 5e11, "hlo_hbm_bytes": 3.35e9, "hlo_ici_bytes": 0.0}
+    # on an H100: compute 5e11 / 989e12 s vs HBM 3.35e9 / 3350e9 = 1 ms: HBM bound, measured 2 ms = 2x
+    p = gpu_check.predictions("h100", 2e-3, cost, flops, 4096, "NVIDIA H100 80GB HBM3")
+    assert p["roofline"]["bound"] == "HBM bandwidth" and p["roofline"]["measured_over_predicted"] == pytest.approx(2.0)
+    assert p["roofline_analytic_flops"]["compute_s"] == pytest.approx(3e12 / 989e12)
+    assert p["mfu"] == pytest.approx(2e12 / 2e-3 / 989e12) and p["tokens_per_s"] == pytest.approx(4096 / 2e-3)
+    # a chip the table lacks: MFU from the recipe's known peaks, the prediction unavailable and why
+    p = gpu_check.predictions(None, 2e-3, cost, flops, 4096, "NVIDIA A100-SXM4-80GB")
+    assert p["mfu"] == pytest.approx(2e12 / 2e-3 / 312e12) and "A100" in p["roofline"]["unavailable"]
+    assert "HLO walk failed" in gpu_check.predictions("h100", 2e-3, None, flops, 4096, "x")["roofline"]["unavailable"]
