@@ -323,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("export", help="Orbax params checkpoint -> HF safetensors dir")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--checkpoint", required=True, help="Orbax params checkpoint dir (`convert` or `sft` output)")
+    p.add_argument("--out", required=True, help="output HF dir (config.json, safetensors shards, tokenizer)")
     p.add_argument("--format", choices=("qwen", "clover"), default=None,
                    help="clover: clover_moe with the block-diffusion tensors and the mask token; qwen: "
                         "qwen3_5_moe_text without them; default: clover for a block-mode checkpoint, else qwen")
@@ -336,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the layout of the checkpoint's HF source")
     p.add_argument("--prefix", choices=("model.", "model.language_model."), default=None,
                    help="default: the key prefix of the checkpoint's HF source")
-    p.add_argument("--max-shard-gb", type=float, default=5.0)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard in GB (default 5)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing directory at --out")
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("compile", help="AOT-compile the train step for a TPU topology; per-chip memory vs HBM")
@@ -348,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "to this JSON file")
     p.add_argument("--hlo", default=None, help="also write each plan's optimized HLO to "
                    "<HLO>_<topology>.hlo.txt.gz")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. compile.seq_len=4096 mesh.expert=4")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.seq_len=4096 mesh.expert=4 (an SFT recipe; "
+                   "a plain run config: compile.seq_len=4096)")
     p.set_defaults(fn=cmd_compile)
 
     p = sub.add_parser("generate", help="decode prompts with a checkpoint (threshold | ar | self_speculative)")
