@@ -352,7 +352,7 @@ PRESETS: dict[str, ModelConfig] = {
         num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
         max_position_embeddings=4096, eos_token_id=1,
     ),
-    # The embedded default (README): Qwen3.6-shaped with the real 248320-row vocabulary and tokenizer,
+    # The embedded default (docs/quickstart.md): Qwen3.6-shaped with the real 248320-row vocabulary and tokenizer,
     # small enough to convert, export and decode on 2 CPU cores in seconds.
     "tiny-qwen3.6": ModelConfig(
         hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

@@ -105,7 +105,7 @@ def test_layer_stack_applies_the_configured_policy():
 # backward, adamw with bf16 mu, micro-batch accumulation, its 4096-token CE chunks) for the slice and
 # row length the recipe targets (v5p-64, seq 8192) at small widths: 2 layers of the bench preset
 # (TPU-tile multiples, so layout padding stays small). The 35B compile itself takes 10-30 minutes on 2
-# cores (README "Compile plans"); the program's structure is the same.
+# cores (docs/guides/aot_plans.md); the program's structure is the same.
 SMALL_RECIPE = ["model.preset=small-cpu", "model.num_hidden_layers=2",
                 "model.layer_types=[linear_attention,full_attention]", "data.seq_len=8192", "data.batch_size=32",
                 "train.micro_batches=2", "mesh.fsdp=8", "mesh.expert=4"]
