@@ -304,6 +304,11 @@ KernelCost = Callable[[str, tuple[Shape, ...], tuple[Shape, ...], "tuple[float, 
                       "tuple[float, float] | None"]
 
 
+#: ops whose result holds its first operand's elements (or a superset: pad) element for element: a
+#: slice of the result reads only the matching part of the operand
+_PASS_THROUGH = ("pad", "convert", "bitcast", "reshape", "copy")
+
+
 class _Walker:
     def __init__(self, comps: dict[str, list[Instr]], kernel_cost: KernelCost | None):
         self.comps, self.kernel_cost = comps, kernel_cost
@@ -416,6 +421,16 @@ class _Walker:
         for u in users.get(name, []):
             if u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == name:
                 total += sum(r.bytes for r in u.results)
+            elif u.opcode in _PASS_THROUGH and u.operands[0] == name and len(u.results) == 1:
+                # a value only sliced after a pad / convert / bitcast / reshape / copy reads what the
+                # slices cover, in its own element type (a pad's added elements read nothing)
+                part = self._sliced_read(comp, u.name, users)
+                src = self.shapes[comp].get(name, ())
+                if part is None or len(src) != 1:
+                    return None
+                (s_in,), (s_out,) = src, u.results
+                per_in, per_out = s_in.bytes / max(s_in.elements, 1), s_out.bytes / max(s_out.elements, 1)
+                total += min(part * per_in / per_out, s_in.bytes)
             elif u.opcode == "fusion":
                 inner = _attr(u.attrs, "calls")
                 params = {int(i.operands[0]): i.name for i in self.comps.get(inner, [])

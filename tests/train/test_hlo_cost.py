@@ -201,3 +201,47 @@ def test_compiled_collectives_have_their_shapes_bytes():
     assert c.collective_bytes["all-gather"] == 3 * 4 * shard
     assert c.collective_bytes["all-reduce"] + c.collective_bytes["reduce-scatter"] == 3 * 4 * shard
     assert c.ici_bytes["all-gather"] == pytest.approx(3 * 4 * shard * 3 / 4)
+
+
+# A fusion that reads one [8, 32] window of a stacked f32[64, 32] operand through a pad, a convert to
+# bf16 and a reshape (the shape XLA gives a windowed einsum's operand), and one that also uses the
+# padded value whole: the first reads the window only, the second the whole operand.
+SLICED_HLO = """HloModule sliced
+
+%window (p0: f32[64,32], i0: s32[]) -> bf16[8,32] {
+  %p0 = f32[64,32]{1,0} parameter(0)
+  %i0 = s32[] parameter(1)
+  %zero.f = f32[] constant(0)
+  %pad.1 = f32[72,32]{1,0} pad(%p0, %zero.f), padding=0_8x0_0
+  %convert.1 = bf16[72,32]{1,0} convert(%pad.1)
+  %reshape.1 = bf16[9,8,32]{2,1,0} reshape(%convert.1)
+  %zero.i = s32[] constant(0)
+  %ds.1 = bf16[1,8,32]{2,1,0} dynamic-slice(%reshape.1, %i0, %zero.i, %zero.i), dynamic_slice_sizes={1,8,32}
+  ROOT %reshape.2 = bf16[8,32]{1,0} reshape(%ds.1)
+}
+
+%whole (q0: f32[64,32], j0: s32[]) -> (bf16[8,32], f32[72,32]) {
+  %q0 = f32[64,32]{1,0} parameter(0)
+  %j0 = s32[] parameter(1)
+  %zero.g = f32[] constant(0)
+  %pad.2 = f32[72,32]{1,0} pad(%q0, %zero.g), padding=0_8x0_0
+  %convert.2 = bf16[72,32]{1,0} convert(%pad.2)
+  %zero.j = s32[] constant(0)
+  %ds.2 = bf16[8,32]{1,0} dynamic-slice(%convert.2, %j0, %zero.j), dynamic_slice_sizes={8,32}
+  ROOT %t = (bf16[8,32]{1,0}, f32[72,32]{1,0}) tuple(%ds.2, %pad.2)
+}
+
+ENTRY %main (x: f32[64,32], k: s32[]) -> bf16[8,32] {
+  %x = f32[64,32]{1,0} parameter(0)
+  %k = s32[] parameter(1)
+  %f.2 = (bf16[8,32]{1,0}, f32[72,32]{1,0}) fusion(%x, %k), kind=kLoop, calls=%whole
+  ROOT %f.1 = bf16[8,32]{1,0} fusion(%x, %k), kind=kLoop, calls=%window
+}
+"""
+
+
+def test_a_window_read_through_pad_convert_and_reshape_counts_the_window_only():
+    c = analyze(SLICED_HLO)
+    window = 8 * 32 * 4 + 4 + 8 * 32 * 2  # the f32 window of x (its bf16 slice's elements), the index, the result
+    whole = 64 * 32 * 4 + 4 + (8 * 32 * 2 + 72 * 32 * 4)  # x read whole: the padded value leaves the fusion
+    assert c.hbm_bytes == window + whole
