@@ -52,8 +52,9 @@ __all__ = ["LossConfig", "ar_targets", "loss_positions", "make_sft_loss", "seque
 @dataclass(frozen=True)
 class LossConfig:
     """Loss options (YAML section ``loss``). ``lb_coef`` None = the model's
-    ``router_aux_loss_coef``. ``chunk_tokens``: tokens per CE chunk (the [chunk, V] fp32 logits
-    tile is the largest buffer: 8192 x 248320 x 4 B = 8 GB; lower it on small chips)."""
+    ``router_aux_loss_coef``. ``chunk_tokens``: tokens per CE chunk on each device (under a mesh
+    every device sweeps its own tokens in chunks of this many; the [chunk, V] fp32 logits tile is
+    the largest buffer: 2048 x 248320 x 4 B = 2 GB; lower it on small chips)."""
 
     weighting: Literal["uniform", "inverse_t"] = "uniform"
     normalization: Literal["token", "sequence", "batch"] = "token"
@@ -139,9 +140,11 @@ _ce_chunks.defvjp(_ce_chunks_fwd, _ce_chunks_bwd)
 def _sharded_ce(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, coef_BT: jax.Array, mask_BT: jax.Array,
                 chunk_tokens: int, ctx: Any) -> jax.Array:
     """`weighted_ce` under a mesh: one `shard_map` over the whole mesh in which every device sweeps
-    the chunks of its own tokens ([B / batch shards, T / context shards], `chunk_tokens / shards`
-    positions per chunk: the same [C, V] logits tile per device as one global chunk split over the
-    shards) and keeps its dW [D, V] partial sum local over all its chunks. The lm_head enters
+    the chunks of its own tokens ([B / batch shards, T / context shards], `chunk_tokens` positions
+    per chunk: `chunk_tokens` sizes the [C, V] logits tile of each device, so a device sweeps few
+    large chunks whatever the mesh; dividing a global chunk among 32 chips left 128-token chunks and
+    the fp32 dW [D, V] partial sum was read and written once per chunk) and keeps its dW partial
+    sum local over all its chunks. The lm_head enters
     sharded as its parameter (embed over FSDP, vocab over tensor) and is all-gathered inside in
     the compute dtype, so its gradient leaves as one reduce-scatter onto the parameter's shards per
     call; the three sums are psum'd over the token axes. Without it (rows grouped by batch shard
@@ -156,16 +159,12 @@ def _sharded_ce(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, coef_B
     tok = ctx.spec(("batch", "length"), (b, t), what="CE tokens")
     w_spec = ctx.spec(("embed", "vocab"), tuple(w_DV.shape), what="lm_head")
     tok_axes = _axes(tok[0]) + _axes(tok[1])
-    shards = 1
-    for a in tok_axes:
-        shards *= dict(mesh.shape)[a]
-    local_chunk = -(-chunk_tokens // shards)
 
     def body(h, w, tgt, coef, m):
         for dim, entry in enumerate(w_spec):
             if _axes(entry):
                 w = jax.lax.all_gather(w, _axes(entry), axis=dim, tiled=True)
-        sums = weighted_ce(h, w, tgt, coef, m, chunk_tokens=local_chunk, groups=1)
+        sums = weighted_ce(h, w, tgt, coef, m, chunk_tokens=chunk_tokens, groups=1)
         return jax.lax.psum(sums, tok_axes) if tok_axes else sums
 
     rows = P(tok[0], tok[1])

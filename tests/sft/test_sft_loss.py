@@ -72,6 +72,34 @@ def test_chunked_ce_under_a_mesh_equals_full_logits_ce(mesh_shape):
     assert "reduce_scatter" in hlo  # the lm_head gradient leaves onto its shards
 
 
+def _scan_lengths(jaxpr) -> list[int]:
+    """The `length` of every scan in a (closed) jaxpr, nested ones (shard_map, cond, custom_vjp) included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            out.append(eqn.params["length"])
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _scan_lengths(inner)
+    return out
+
+
+@pytest.mark.parametrize("chunk_tokens,want_chunks", [(12, 1), (5, 3), (4, 3)])
+def test_chunk_tokens_size_each_devices_chunk_under_a_mesh(chunk_tokens, want_chunks):
+    """8 devices (data 2 x fsdp 2 x context 2), B=4, T=24: each device holds 1 row x 12 tokens and
+    sweeps ceil(12 / chunk_tokens) chunks of `chunk_tokens` tokens (not the global chunk split 8 ways)."""
+    from clover_jax.parallel import sharding as sh
+
+    h, w, tgt, coef, m = _inputs(3, b=4, t=24)
+    with sh.use_sharding(sh.make_mesh(sh.MeshConfig(data=2, fsdp=2, context=2))):
+        jaxpr = jax.make_jaxpr(lambda h, w: weighted_ce(h, w, tgt, coef, m, chunk_tokens=chunk_tokens))(h, w)
+        got = jax.jit(lambda h, w: weighted_ce(h, w, tgt, coef, m, chunk_tokens=chunk_tokens))(h, w)
+    assert _scan_lengths(jaxpr.jaxpr) == [want_chunks]
+    np.testing.assert_allclose(got, weighted_ce_reference(h, w, tgt, coef, m), rtol=1e-5)
+
+
 def test_chunked_ce_under_jit_scaled_cotangent_and_empty_mask():
     h, w, tgt, coef, m = _inputs(1)
     f = jax.jit(jax.grad(lambda h, w: 3.0 * weighted_ce(h, w, tgt, coef, m, chunk_tokens=5)[0], argnums=(0, 1)))
