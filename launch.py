@@ -4,7 +4,7 @@
                                             is the embedded default); resumes from checkpoint.dir
     demo      --config F [k=v ...]          tiny Qwen3.6-shaped HF -> Orbax -> HF round trip
     convert   --hf DIR --out DIR [--mode ar|block]                HF safetensors -> Orbax params checkpoint
-    export    --checkpoint DIR --out DIR [--format qwen|clover]   Orbax -> HF safetensors
+    export    --checkpoint DIR --out DIR [--format qwen|clover]   Orbax (params or SFT training checkpoint) -> HF
     compile   --config F --topology v5p-64 [k=v ...]   AOT-compile the train step for a TPU slice
               on this machine; per-chip memory vs HBM (exit 1 when it does not fit)
     generate  --checkpoint DIR (--prompt T | --prompts F.jsonl | --prompt-ids 1,2) [--out F.json] [decode.k=v]
@@ -53,12 +53,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from clover_jax.bridge.convert import export_orbax_to_hf
+    from clover_jax.bridge.params_checkpoint import is_params_checkpoint
+    from sft.train_checkpoint import export_training_checkpoint, training_step_dir
 
     t0 = time.perf_counter()
-    out = export_orbax_to_hf(
-        args.checkpoint, args.out, format=args.format, expert_layout=args.expert_layout, prefix=args.prefix,
-        max_shard_bytes=int(args.max_shard_gb * 10**9), overwrite=args.overwrite, clover_naming=args.clover_naming,
-    )
+    kw = dict(format=args.format, expert_layout=args.expert_layout, prefix=args.prefix,
+              max_shard_bytes=int(args.max_shard_gb * 10**9), clover_naming=args.clover_naming)
+    if not is_params_checkpoint(args.checkpoint) and training_step_dir(args.checkpoint) is not None:
+        # an SFT run's checkpoint: exported as the run's own export would be (its format and dtype)
+        out = export_training_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite, **kw)
+    else:
+        out = export_orbax_to_hf(args.checkpoint, args.out, overwrite=args.overwrite, **kw)
     fmt = args.format or "format by the checkpoint mode"
     print(f"exported {args.checkpoint} -> {out} ({fmt}) in {time.perf_counter() - t0:.1f} s")
     return 0
@@ -223,17 +228,40 @@ EXIT_PREEMPTED = 143
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
+    from sft.preemption import sigterm_exits
+
+    loaded: list = []  # the config, once loaded: its checkpoint dir goes into the SIGTERM message
+    # before anything starts the JAX backend: SIGTERM outside the training loop's own handler ends
+    # with one line and EXIT_PREEMPTED, never libtpu's C++ stack dump (sft/preemption.py)
+    with sigterm_exits(lambda: loaded[0].checkpoint_dir if loaded else None, EXIT_PREEMPTED):
+        return _sft(args, loaded)
+
+
+def _sft(args: argparse.Namespace, loaded: list) -> int:
     from sft.config import load_sft_config
     from sft.recipe import run_sft
     from train.checkpoint import CheckpointError as TrainCheckpointError
+    from train.config_diff import ResumeConfigError
+    from train.run_lock import RunLockError, run_lock
 
     for name in ("sft", "train"):
         logging.getLogger(name).setLevel(logging.INFO)
     try:
         cfg = load_sft_config(args.config, args.overrides)
-        res = run_sft(cfg)
+        loaded.append(cfg)
+        # the run dirs are locked before any compile, so a second run refuses at once
+        with run_lock([cfg.logging.run_dir, cfg.checkpoint_dir], message=print):
+            res = run_sft(cfg)
+    except (RunLockError, ResumeConfigError) as e:  # the user's to resolve: another run, another config
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except TrainCheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    if res.nonfinite_step is not None:
+        print(f"error: non-finite loss / gradient at step {res.nonfinite_step} (train.on_nonfinite="
+              f"{cfg.train.on_nonfinite}): stopped, nothing exported; the checkpoints in {cfg.checkpoint_dir} "
+              "hold only finite steps (lower optimizer.lr, or train.on_nonfinite=skip)", file=sys.stderr)
         return 1
     return EXIT_PREEMPTED if res.preempted else 0
 
@@ -250,9 +278,10 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from clover_jax.decoding.generator import DecodeError
     from clover_jax.decoding.cli import run_generate
+    from sft.train_checkpoint import load_model  # launch owns the wiring: decoding never imports sft
 
     try:
-        return run_generate(args)
+        return run_generate(args, load=load_model)
     except DecodeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -323,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("export", help="Orbax params checkpoint -> HF safetensors dir")
-    p.add_argument("--checkpoint", required=True, help="Orbax params checkpoint dir (`convert` or `sft` output)")
+    p.add_argument("--checkpoint", required=True, help="Orbax params checkpoint dir (`convert` output), or an "
+                   "SFT training checkpoint (<run_dir>/checkpoints: its newest step, or <run_dir>/checkpoints/<step>)")
     p.add_argument("--out", required=True, help="output HF dir (config.json, safetensors shards, tokenizer)")
     p.add_argument("--format", choices=("qwen", "clover"), default=None,
                    help="clover: clover_moe with the block-diffusion tensors and the mask token; qwen: "
@@ -337,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", choices=("model.", "model.language_model."), default=None,
                    help="default: the key prefix of the checkpoint's HF source")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard in GB (default 5)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing directory at --out")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out whole (default: refuse it)")
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("compile", help="AOT-compile the train step for a TPU topology; per-chip memory vs HBM")
@@ -353,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_compile)
 
     p = sub.add_parser("generate", help="decode prompts with a checkpoint (threshold | ar | self_speculative)")
-    p.add_argument("--checkpoint", required=True, help="HF dir (Clover / Qwen) or Orbax params checkpoint")
+    p.add_argument("--checkpoint", required=True, help="HF dir (Clover / Qwen), Orbax params checkpoint, or SFT "
+                   "training checkpoint (<run_dir>/checkpoints[/<step>])")
     p.add_argument("--prompt", default=None, help="a user message, rendered with the chat template")
     p.add_argument("--prompts", default=None, help="JSONL of chat records (messages, tools) or {\"prompt\": ...}")
     p.add_argument("--prompt-ids", default=None, help="a prompt as comma-separated token ids")

@@ -10,7 +10,7 @@ VENV=${1:-.venv-rt}
 RUN=$(mktemp -d)
 trap 'rm -rf "$RUN"' EXIT
 "$VENV/bin/python" launch.py sft --config configs/sft_tiny.yaml train.steps=3 train.eval_every=2 \
-  checkpoint.every_steps=2 model.init_from="$RUN/init_hf" logging.run_dir="$RUN/run" \
+  checkpoint.every_steps=2 model.init_from="$RUN/run/init_hf" logging.run_dir="$RUN/run" \
   export.dir="$RUN/export" 2>&1 | tee "$RUN/out.txt"
 fail() { echo "first run: $*" >&2; exit 1; }
 grep -q "PyTorch was not found" "$RUN/out.txt" && fail "transformers' no-torch advice printed"

@@ -48,7 +48,9 @@ def save_hf(
     block-mode model, "qwen" for an AR one (see `convert.write_hf`). Weights are cast to `dtype` (None
     keeps the params' dtypes); `A_log`, the GDN norm and the Clover scalars stay fp32 as in the
     Qwen3.6 / Clover checkpoints. `kwargs` go to `convert.write_hf` (expert_layout, prefix,
-    max_shard_bytes, source_dir, overwrite)."""
+    max_shard_bytes, source_dir, overwrite, provenance). The directory is written atomically, a
+    non-empty `out_dir` needs `overwrite=True` (it is then replaced whole), and a NaN / Inf weight
+    fails the export naming its tensor."""
     params = model_to_params(model)
     if dtype is None:
         tree = unstack_layers(config, params)  # leaves go to host one layer at a time in write_hf

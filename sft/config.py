@@ -21,7 +21,8 @@ bad types fail naming the key):
     compile:    the AOT section of `launch.py compile` (train.aot), kept verbatim, unused by `sft`
 
 Paths other than source paths (init_from, logging.run_dir, checkpoint.dir, export.dir) are relative
-to the working directory. `checkpoint.dir` null means ``<logging.run_dir>/checkpoints``. Each of
+to the working directory. `checkpoint.dir` null means ``<logging.run_dir>/checkpoints``, `export.dir`
+null ``<logging.run_dir>/hf_export``. Each of
 them and `data_root` may be a URI (``gs://bucket/...``): `sft.remote` stages it through
 `staging_dir` (a local folder).
 
@@ -48,8 +49,8 @@ from sft.noise import NoiseConfig
 from sft.task_vocab import VocabSubsetConfig
 from train.config import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainConfig, TrainerConfig
 
-__all__ = ["DATA_README", "EvalConfig", "ExportConfig", "ModelSpec", "SFTConfig", "check_data_root", "load_sft_config",
-           "model_config_from"]
+__all__ = ["DATA_README", "RESUME_MUST_MATCH", "EvalConfig", "ExportConfig", "ModelSpec", "SFTConfig", "check_data_root",
+           "load_sft_config", "model_config_from"]
 
 #: `datasets` builders that read local files: their `hf.data_files` resolve against data_root
 LOCAL_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
@@ -58,6 +59,11 @@ LOCAL_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
 DATA_README = 'README.md, section "Getting the data"'
 
 _SPEC_KEYS = ("init_from", "preset", "generate_missing", "seed")
+
+#: what a resumed checkpoint's stored config must equal (the same experiment: `train.config_diff`);
+#: train.steps, logging, checkpoint cadence, export, eval, mesh may change (`train.resume: force`: all)
+RESUME_MUST_MATCH = ("model", "data", "optimizer", "noise", "loss", "vocab_subset", "train.micro_batches",
+                     "train.seed")
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,9 @@ class ModelSpec:
       checkpoint (`launch.py convert` output); None = random init of `preset`.
     preset: the architecture of a random init (`clover_jax.config.PRESETS`).
     generate_missing: when `init_from` does not exist, write a random `preset` checkpoint there first
-      (hub-style HF dir with the Qwen3.6 tokenizer, as the demo does): the embedded default.
+      (hub-style HF dir with the Qwen3.6 tokenizer, as the demo does): the embedded default. Only
+      inside `logging.run_dir`: a missing `init_from` elsewhere is an error (a mistyped checkpoint
+      path never becomes a random model).
     seed: seed of random inits. overrides: ModelConfig fields set on top (see module docstring).
     """
 
@@ -100,16 +108,21 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """HF export after the last step when `dir` is set (`format: clover` keeps the block-diffusion
-    tensors and writes the tokenizer with the mask token; `qwen` drops them)."""
+    """HF export after the last step when `enabled` (`format: clover` keeps the block-diffusion
+    tensors and writes the tokenizer with the mask token; `qwen` drops them), into `dir` (null:
+    ``<logging.run_dir>/hf_export``). The folder is written whole and atomically. A non-empty `dir`
+    is replaced only when it is this run's own earlier export (its ``clover_export.json`` names the
+    same run dir: a rerun that resumes from its final checkpoint exports again) or with
+    `overwrite: true`; anything else is refused before training starts."""
 
+    enabled: bool = True
     dir: str | None = None
     format: Literal["clover", "qwen"] = "clover"
     # the Clover tensors' names (clover_jax.bridge.hf_clover): split = the four per GDN layer that
     # llama.cpp's Clover converter reads; packed = the two of the other public naming
     clover_naming: Literal["split", "packed"] = "split"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    overwrite: bool = True
+    overwrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,16 @@ class SFTConfig:
         from train.remote import join
 
         return self.checkpoint.dir or join(self.logging.run_dir, "checkpoints")
+
+    @property
+    def export_dir(self) -> str | None:
+        """Where the end-of-run export goes: `export.dir`, null = ``<logging.run_dir>/hf_export``;
+        None when `export.enabled` is false."""
+        from train.remote import join
+
+        if not self.export.enabled:
+            return None
+        return self.export.dir or join(self.logging.run_dir, "hf_export")
 
     def trainer_config(self) -> TrainerConfig:
         return TrainerConfig(train=self.train, optimizer=self.optimizer,

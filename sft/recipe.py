@@ -16,7 +16,7 @@ Flow of `run_sft(cfg)`:
 6. `train.loop.run`: resume from `checkpoint.dir` when it holds a checkpoint (then the initial
    weights are never read), eval every `train.eval_every` steps on the held-out split at fixed noise
    levels, periodic / final / SIGTERM checkpoints, metrics.jsonl + console + wandb;
-7. at the end: the HF export (`export.dir`), a loss summary (first vs last 100 logged steps, train
+7. at the end: the HF export (`sft.export`; `export.dir`, default ``<run_dir>/hf_export``), a loss summary (first vs last 100 logged steps, train
    and held-out) in ``<run_dir>/summary.json`` and a loss plot ``<run_dir>/loss.png``.
 """
 
@@ -41,16 +41,18 @@ from clover_jax.parallel import sharding as sh
 from pallas_kernels.context.split import check_context_split
 from pallas_kernels.context.layout import pieces as context_pieces
 from clover_jax.config import ModelConfig
-from clover_jax.model.clover_model import abstract_model, check_block_aligned, create_model, model_from_params, model_to_params
+from clover_jax.model.clover_model import abstract_model, check_block_aligned, create_model, model_to_params
 from clover_jax.yaml_config import ConfigError, to_tree
-from sft.config import ModelSpec, SFTConfig, check_data_root, model_config_from
+from sft.config import RESUME_MUST_MATCH, ModelSpec, SFTConfig, check_data_root, model_config_from
 from sft.data import SFTData, block_align_for
+from sft.init_params import init_state, load_params  # noqa: F401  (load_params: re-exported)
 from sft.loss import make_sft_loss
 from sft.noise import draw_block_size
+from sft.summary import loss_summary, plot_losses
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SFTResult", "SFTSetup", "loss_summary", "open_data", "prepare", "run_sft"]
+__all__ = ["SFTResult", "SFTSetup", "bare_setup", "loss_summary", "open_data", "prepare", "run_sft"]
 
 #: bf16 dense peak FLOP/s per chip by `device_kind` prefix (vendor numbers); else measured.
 KNOWN_PEAKS = {"TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12,
@@ -88,12 +90,19 @@ def generate_init_checkpoint(cfg: SFTConfig) -> Path:
 
 def data_source(cfg: SFTConfig) -> tuple[str, Path | None, ModelConfig | None, Path | None]:
     """(kind "hf" | "orbax" | "random", init path, the checkpoint's config, dir to take the
-    tokenizer from)."""
+    tokenizer from). `model.generate_missing` writes a random init only strictly inside
+    `logging.run_dir` (the run's own files): a missing path elsewhere (a mistyped real checkpoint)
+    is an error, never a random model trained in its place."""
     spec = cfg.model
     if spec.init_from is None:
         return "random", None, None, None
     p = Path(spec.init_from)
     if not p.exists() and spec.generate_missing:
+        run_dir = Path(cfg.logging.run_dir)
+        if p.resolve() == run_dir.resolve() or not p.resolve().is_relative_to(run_dir.resolve()):
+            raise ConfigError(f"model.init_from {p} does not exist (model.generate_missing only writes under "
+                              f"logging.run_dir {run_dir}; point model.init_from at an existing HF dir or Orbax "
+                              f"params checkpoint, or at a new path under the run dir, e.g. {run_dir / 'init_hf'})")
         generate_init_checkpoint(cfg)
     if not p.exists():
         raise ConfigError(f"model.init_from: {p} does not exist (an HF dir with config.json or an Orbax "
@@ -145,51 +154,6 @@ def resolve_mask_token(mcfg: ModelConfig, cfg: SFTConfig, tok_dir: Path | None) 
     if mcfg.mask_token_id is None:
         log.info("registered %s as token %d (an unused embedding row)", MASK_TOKEN, mask_id)
     return mcfg.replace(mask_token_id=mask_id)
-
-
-def _fill_clover_params(mcfg: ModelConfig, flat: dict[str, Any]) -> dict[str, Any]:
-    """An AR Orbax checkpoint into block mode: the Clover params at their init values (scalars
-    (alpha, beta, gamma) per head, zero right-conv taps); anything else missing is an error."""
-    from clover_jax.model.params import flatten
-
-    target = flatten(model_to_params(abstract_model(mcfg)))
-    out = dict(flat)
-    filled = []
-    for k, ref in target.items():
-        if k in out:
-            continue
-        if k.endswith("bd_gdn_softmax_scalars"):
-            out[k] = np.broadcast_to(np.asarray(mcfg.bd_scalar_init, np.float32), ref.shape).copy()
-        elif k.endswith(".right"):
-            out[k] = np.zeros(ref.shape, np.float32)
-        else:
-            raise ConfigError(f"model.init_from: checkpoint has no param {k!r}")
-        filled.append(k)
-    if filled:
-        log.info("block mode on an AR checkpoint: %d Clover params start at their init values", len(filled))
-    return out
-
-
-def load_params(kind: str, path: Path | None, mcfg: ModelConfig, seed: int) -> dict[str, Any]:
-    """Initial params (stacked pure dict, host or default device) in `mcfg.param_dtype`."""
-    if kind == "random":
-        return model_to_params(create_model(mcfg, seed))
-    if kind == "hf":
-        from clover_jax.api import load_hf
-
-        runtime = {k: v for k, v in to_tree(mcfg).items() if k not in ("dtype", "param_dtype", "mode")}
-        _, model = load_hf(path, dtype=jnp.dtype(mcfg.param_dtype), mode="block", **_tuples(runtime))
-        return model_to_params(model)
-    from clover_jax.model.params import flatten, stack_layers, unflatten
-    from clover_jax.bridge.params_checkpoint import load_params_checkpoint
-
-    ck_cfg, tree = load_params_checkpoint(path)
-    flat = _fill_clover_params(mcfg, flatten(stack_layers(ck_cfg, tree)))
-    return model_to_params(model_from_params(mcfg, unflatten(flat)))
-
-
-def _tuples(tree: dict[str, Any]) -> dict[str, Any]:
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in tree.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,7 +222,8 @@ class SFTSetup:
 
         replicated = NamedSharding(self.mesh, P())
         return make_train_step(self.loss_fn(block_size), self.optimizer, micro_batches=self.cfg.train.micro_batches,
-                               compute_dtype=self.compute_dtype, out_shardings=(self.state_shardings, replicated))
+                               compute_dtype=self.compute_dtype, out_shardings=(self.state_shardings, replicated),
+                               on_nonfinite=self.cfg.train.on_nonfinite)
 
     def step_flops(self, block_size: int, abstract_batch: Any) -> float | None:
         """XLA's FLOP count of one train step (`cost_analysis` of the lowering, no compile) with the
@@ -271,13 +236,9 @@ class SFTSetup:
         return None if flops is None else flops * self.cfg.train.micro_batches
 
     def init_state(self) -> Any:
-        """The fresh train state on the mesh (reads the initial weights)."""
-        from train.state import init_train_state
-
-        params = load_params(self.kind, self.init_path, self.model_cfg, self.cfg.model.seed)
-        params = jax.device_get(params)
-        return init_train_state(params, self.optimizer, seed=self.cfg.train.seed,
-                                master_dtype=self.cfg.train.param_dtype, out_shardings=self.state_shardings)
+        """The fresh train state on the mesh (reads the initial weights one layer at a time:
+        `sft.init_params.init_state`)."""
+        return init_state(self)
 
 
 def sharded_abstract_state(model: nnx.Module, optimizer: Any, mesh: Mesh, train_cfg: Any) -> tuple[Any, Any, Any]:
@@ -323,24 +284,36 @@ def platform_scan_default(mcfg: ModelConfig, spec: ModelSpec, platform: str) -> 
     return mcfg.replace(scan_layers=platform != "cpu")
 
 
+def run_model_config(cfg: SFTConfig, ck_cfg: ModelConfig | None, tok_dir: Path | None, *,
+                     build_vocab: bool = True) -> tuple[SFTConfig, ModelConfig, Path | None]:
+    """(cfg, the run's ModelConfig, tokenizer dir) from the init checkpoint's config: overrides,
+    master dtype, the task vocabulary (`build_vocab` false: the one the run already wrote, as an
+    export from a training checkpoint reads it), the mask token, the response alignment. Shared by
+    `prepare` and `sft.train_checkpoint`, so a training checkpoint rebuilds the very config it was
+    trained with. Reads no weights and no data (unless `build_vocab` builds the task vocabulary)."""
+    mcfg = model_config_from(cfg.model, ck_cfg).replace(param_dtype=cfg.train.param_dtype)
+    if cfg.vocab_subset.enabled:
+        from sft.task_vocab import build_task_vocab, subset_model_ids
+
+        tok_dir = (build_task_vocab(cfg, tok_dir) if build_vocab
+                   else Path(cfg.vocab_subset.dir or Path(cfg.logging.run_dir) / "tokenizer"))
+        cfg = replace(cfg, data=replace(cfg.data, tokenizer=None))  # the data reads the subset at tok_dir
+        mcfg = subset_model_ids(mcfg, tok_dir, cfg.vocab_subset.pad_to)
+    mcfg = resolve_mask_token(mcfg, cfg, tok_dir)
+    # the checkpoint and its export say how responses were laid out (the decoder pads prompts to
+    # match): the packing alignment `open_data` uses
+    align = math.lcm(cfg.data.block_align, block_align_for(mcfg.block_size))
+    return cfg, mcfg.replace(response_block_align=align if cfg.data.align_responses == "block" else 0), tok_dir
+
+
 def prepare(cfg: SFTConfig) -> SFTSetup:
     """Steps 1-4 of the module docstring (no weights read, nothing trained)."""
     from train.optimizer import build_optimizer
 
     check_data_root(cfg)  # before the init checkpoint is read or written
     kind, path, ck_cfg, tok_dir = data_source(cfg)
-    mcfg = model_config_from(cfg.model, ck_cfg)
-    mcfg = mcfg.replace(param_dtype=cfg.train.param_dtype)
-    if cfg.vocab_subset.enabled:
-        from sft.task_vocab import build_task_vocab, subset_model_ids
-
-        tok_dir = build_task_vocab(cfg, tok_dir)
-        cfg = replace(cfg, data=replace(cfg.data, tokenizer=None))  # the data reads the subset at tok_dir
-        mcfg = subset_model_ids(mcfg, tok_dir, cfg.vocab_subset.pad_to)
-    mcfg = resolve_mask_token(mcfg, cfg, tok_dir)
+    cfg, mcfg, tok_dir = run_model_config(cfg, ck_cfg, tok_dir)
     data = open_data(cfg, mcfg, tok_dir)
-    # the checkpoint and its export say how responses were laid out (the decoder pads prompts to match)
-    mcfg = mcfg.replace(response_block_align=data.cfg.block_align if cfg.data.align_responses == "block" else 0)
     devices = jax.devices()[: cfg.devices] if cfg.devices else jax.devices()
     if cfg.devices and len(devices) < cfg.devices:
         raise ConfigError(f"devices: {cfg.devices} requested, {len(devices)} available")
@@ -358,6 +331,25 @@ def prepare(cfg: SFTConfig) -> SFTSetup:
     p_sh, state_sh, abstract_state = sharded_abstract_state(model, optimizer, mesh, cfg.train)
     return SFTSetup(cfg=cfg, model_cfg=mcfg, kind=kind, init_path=path, tok_dir=tok_dir, data=data, mesh=mesh,
                     graphdef=graphdef, optimizer=optimizer, param_shardings=p_sh, state_shardings=state_sh,
+                    abstract_state=abstract_state)
+
+
+def bare_setup(cfg: SFTConfig, kind: str, path: str | Path, devices: list[Any] | None = None) -> SFTSetup:
+    """An `SFTSetup` for the checkpoint at `path` (``kind`` "hf" / "orbax") without data, as
+    `prepare` builds one (the checkpoint's model config in block mode with `cfg.model`'s
+    overrides and `train.param_dtype`, the mesh over `devices`, the optimizer, the shardings), for
+    tools and tests that only start the state; no tokenizer or mask token is resolved."""
+    from clover_jax.bridge.params_checkpoint import read_params_info
+    from train.optimizer import build_optimizer
+
+    base = ModelConfig.from_hf_file(Path(path)) if kind == "hf" else read_params_info(path)[0]
+    mcfg = model_config_from(cfg.model, base).replace(param_dtype=cfg.train.param_dtype)
+    mesh = sh.make_mesh(cfg.mesh, list(devices or jax.devices()))
+    model = abstract_model(mcfg)
+    opt = build_optimizer(cfg.optimizer, cfg.train.steps)
+    p_sh, state_sh, abstract_state = sharded_abstract_state(model, opt, mesh, cfg.train)
+    return SFTSetup(cfg=cfg, model_cfg=mcfg, kind=kind, init_path=Path(path), tok_dir=None, data=None, mesh=mesh,
+                    graphdef=None, optimizer=opt, param_shardings=p_sh, state_shardings=state_sh,
                     abstract_state=abstract_state)
 
 
@@ -484,79 +476,20 @@ class SFTResult:
     resumed_from: int | None
     export_dir: Path | None
     summary: dict[str, Any]
-
-
-def loss_summary(metrics_path: Path, window: int = 100) -> dict[str, Any]:
-    """First vs last `window` logged steps: mean train loss (and masked CE) and mean held-out loss
-    of the evals in those windows (each window at most half the run, so they never overlap)."""
-    recs = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
-    train = [r for r in recs if "loss" in r]
-    evals = [r for r in recs if "eval/loss" in r]
-    out: dict[str, Any] = {"steps_logged": len(train)}
-    if train:
-        w = max(1, min(window, len(train) // 2))
-        for k in ("loss", "ce"):
-            vals = [r[k] for r in train if k in r]
-            if vals:
-                out[f"train_{k}_first"] = float(np.mean(vals[:w]))
-                out[f"train_{k}_last"] = float(np.mean(vals[-w:]))
-        out["window_steps"] = w
-        first_end, last_start = train[w - 1]["step"], train[-w]["step"]
-        if evals:
-            first = [r["eval/loss"] for r in evals if r["step"] <= first_end] or [evals[0]["eval/loss"]]
-            last = [r["eval/loss"] for r in evals if r["step"] >= last_start] or [evals[-1]["eval/loss"]]
-            out["eval_loss_first"], out["eval_loss_last"] = float(np.mean(first)), float(np.mean(last))
-            out["eval_evals"] = len(evals)
-    return out
-
-
-def _plot(metrics_path: Path, out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    recs = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    tr = [(r["step"], r["loss"]) for r in recs if "loss" in r]
-    ev = [(r["step"], r["eval/loss"]) for r in recs if "eval/loss" in r]
-    if tr:
-        ax.plot(*zip(*tr), label="train loss", lw=1)
-    if ev:
-        ax.plot(*zip(*ev), "o-", label="held-out masked CE (mean over t)", ms=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-
-
-def export(setup: SFTSetup, params: Any) -> Path:
-    """HF export of `params` (`export.format`, `export.dtype`) with the init dir's tokenizer files
-    (clover: plus the mask token)."""
-    from clover_jax.api import save_hf
-
-    ec = setup.cfg.export
-    host = jax.device_get(params)
-    model = model_from_params(setup.model_cfg.replace(param_dtype="float32", dtype="float32"), host)
-    src = setup.tok_dir
-    return save_hf(model, setup.model_cfg, ec.dir, format=ec.format, dtype=jnp.dtype(ec.dtype),
-                   source_dir=src, overwrite=ec.overwrite, clover_naming=ec.clover_naming)
+    nonfinite_step: int | None = None  # stopped on a non-finite loss / gradient there (nothing exported)
 
 
 def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: Callable | None = None,
             print_fn: Callable[[str], None] = print) -> SFTResult:
     """The recipe (module docstring). `on_step(step, state, metrics)` / `on_checkpoint(step, state)`
     go to `train.loop.run`."""
+    from sft.export import check_export_target, export_params
     from sft.remote import localize
     from train.loop import run
 
     t_start = time.perf_counter()
     cfg, remote_outputs = localize(cfg)  # gs://... inputs staged here, outputs mirrored locally
+    check_export_target(cfg)  # a folder the export may not replace fails now, not after training
     setup = prepare(cfg)
     mcfg, run_dir = setup.model_cfg, Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -591,21 +524,21 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
 
         res = run(steps, setup.init_state, batches, config=cfg.trainer_config(), eval_fn=eval_fn,
                   run_config=to_tree(cfg), flops_per_step=flops, peak_flops=peak, on_step=on_step,
-                  on_checkpoint=on_checkpoint, abstract_state=setup.abstract_state)
+                  on_checkpoint=on_checkpoint, abstract_state=setup.abstract_state, resume_must_match=RESUME_MUST_MATCH)
     export_dir = None
-    if cfg.export.dir and not res.preempted and res.step >= cfg.train.steps:
+    if cfg.export_dir and not res.preempted and res.nonfinite_step is None and res.step >= cfg.train.steps:
         t0 = time.perf_counter()
-        export_dir = export(setup, res.state.params)
+        export_dir = export_params(setup.cfg, setup.model_cfg, setup.tok_dir, res.state.params, res.step)
         print_fn(f"exported {cfg.export.format} HF checkpoint to {export_dir} in {time.perf_counter() - t0:.1f} s")
     from train.logging import METRICS_FILE
 
     mpath = run_dir / METRICS_FILE
     summary = loss_summary(mpath) if mpath.exists() else {}
     summary.update(wall_s=time.perf_counter() - t_start, steps=res.step, preempted=res.preempted,
-                   resumed_from=res.resumed_from, flops_per_step=flops, peak_flops=peak)
+                   resumed_from=res.resumed_from, flops_per_step=flops, peak_flops=peak, nonfinite_step=res.nonfinite_step)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if mpath.exists():
-        _plot(mpath, run_dir / "loss.png")
+        plot_losses(mpath, run_dir / "loss.png")
     if "train_loss_first" in summary:
         w = summary["window_steps"]
         line = (f"train loss, mean of the first {w} vs last {w} steps: {summary['train_loss_first']:.4f} -> "
@@ -617,4 +550,4 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
     print_fn(f"run dir {run_dir} (metrics.jsonl, summary.json, loss.png); wall {summary['wall_s']:.0f} s")
     remote_outputs.publish(export=export_dir is not None, print_fn=print_fn)
     return SFTResult(step=res.step, preempted=res.preempted, resumed_from=res.resumed_from, export_dir=export_dir,
-                     summary=summary)
+                     summary=summary, nonfinite_step=res.nonfinite_step)

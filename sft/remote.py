@@ -80,6 +80,8 @@ def localize(cfg: "SFTConfig") -> tuple["SFTConfig", RemoteOutputs]:
         model = dataclasses.replace(model, init_from=str(stage_in(model.init_from, staging, "model.init_from")))
     run_pair = export_pair = None
     logging, checkpoint, export = cfg.logging, cfg.checkpoint, cfg.export
+    if export.enabled and export.dir is None and is_remote(logging.run_dir):
+        export = dataclasses.replace(export, dir=cfg.export_dir)  # <run_dir URI>/hf_export, uploaded as the export
     if is_remote(logging.run_dir):
         uri = logging.run_dir
         local = staging_path(staging, "run", uri)

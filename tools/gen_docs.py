@@ -86,6 +86,8 @@ KINDS: list[tuple[str, str, str, str]] = [
      "measured", "python bench/gpu_check.py"),
     ("moe", "MoE layer dispatches (CPU time) and EP communication per token (compiled HLO)",
      "measured", "python bench/moe.py"),
+    ("load_memory", "peak host RSS of the start-up (HF / Orbax load, train state) vs the fp32 parameter bytes",
+     "measured", "python bench/load_memory.py --experts 256 --orbax"),
     ("response_align_quality", "decode quality with responses on the block grid vs at the prompt end",
      "measured", "python bench/response_align_quality.py"),
     ("train_step", "SFT step vs AR step: tokens/s and MFU (small-cpu preset)",

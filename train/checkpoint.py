@@ -12,6 +12,14 @@ Atomicity is Orbax's: a save writes ``<step>.orbax-checkpoint-tmp-*`` and rename
 only when every item is complete (on filesystems without atomic rename, e.g. GCS, it writes a commit
 file instead). A process killed mid-save leaves only the tmp directory, which `all_steps()` never
 lists and the next manager deletes, so a restore always takes the newest complete step.
+
+No checkpoint holds non-finite params: `save` checks them first and refuses (naming the first bad
+leaf), so keep-N retention never pushes out the newest finite checkpoint. A background (async) write
+that fails (disk full, bucket permission) is kept by Orbax in its finalize thread; `check()` (the
+loop calls it after every step), `save`, `wait` and `close` raise it as one `CheckpointSaveError`
+naming the step dir and the OS error. Orbax deletes older steps only after a write is final, so the
+last complete checkpoint survives a failed one; Orbax's own tracebacks of that failure are dropped
+from the log (the error is reported once, by us).
 """
 
 from __future__ import annotations
@@ -38,6 +46,38 @@ JSON_ITEMS = ("data", "config")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be restored into the given state; the message names the item/key."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint write failed (in the background for async saves); one line: step dir + OS error."""
+
+
+def error_line(e: BaseException, limit: int = 300) -> str:
+    """One line of an Orbax / TensorStore / OS error: its first line without the TensorStore spec dump."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0].split(" [tensorstore_spec=")[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _DropOrbaxSaveTracebacks(logging.Filter):
+    """Orbax logs a failed background save with several tracebacks (absl logger, ERROR): we raise it
+    once as `CheckpointSaveError`, so those records are dropped (kept at DEBUG in train.checkpoint)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.exc_info and "/orbax/" in record.pathname:
+            log.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
+            return False
+        return True
+
+
+_ORBAX_FILTER = _DropOrbaxSaveTracebacks()
+
+
+def first_nonfinite_leaf(tree: Any) -> str | None:
+    """Dotted path of the first floating leaf holding a NaN / Inf (one host sync for all leaves)."""
+    leaves = [(path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+              if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    flags = jax.device_get([jnp.all(jnp.isfinite(x)) for _, x in leaves])
+    return next((name for (name, _), ok in zip(leaves, flags) if not bool(ok)), None)
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
@@ -79,6 +119,8 @@ class Checkpointer:
         handlers = {**{k: ocp.StandardCheckpointHandler() for k in ARRAY_ITEMS},
                     **{k: ocp.JsonCheckpointHandler() for k in JSON_ITEMS}}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._pending: int | None = None  # step of a save issued and not yet known to be final
+        logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # once per process (addFilter dedups)
 
     # ------------------------------------------------------------------------------------------ queries
     def all_steps(self) -> list[int]:
@@ -98,8 +140,13 @@ class Checkpointer:
     def save(self, state: TrainState, *, data_state: Mapping[str, Any] | None = None) -> int:
         """Saves `state` under its own step; a step already on disk is left alone. Returns the step."""
         step = int(jax.device_get(state.step))
+        self.check(block=True)
         if step in self.manager.all_steps():
             return step
+        bad = first_nonfinite_leaf(state.params)
+        if bad is not None:
+            raise CheckpointError(f"refusing to save step {step} to {self.step_dir(step)}: params leaf {bad!r} "
+                                  "is not finite (NaN/Inf); the checkpoints on disk are left as they are")
         data = _json_checked(dict(data_state or {}), f"data iterator state at step {step}")
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
@@ -108,15 +155,46 @@ class Checkpointer:
             data=ocp.args.JsonSave(data),
             config=ocp.args.JsonSave(self.run_config),
         )
-        self.manager.save(step, args=args, force=True)
+        self._pending = step
+        try:
+            self.manager.save(step, args=args, force=True)
+        except (OSError, ValueError) as e:  # a synchronous save writes in the foreground
+            self._pending = None
+            raise self._save_error(step, e) from None
+        if not self.cfg.async_save:
+            self._pending = None
         return step
 
+    def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
+        try:
+            self.manager.reload()  # the manager already forgot the steps it meant to delete after this one
+        except Exception:  # noqa: BLE001 - only the message's last line depends on it
+            pass
+        kept = [s for s in self.all_steps() if s != step]
+        last = f"the last complete checkpoint (step {kept[-1]}) is kept" if kept else "no complete checkpoint yet"
+        return CheckpointSaveError(f"checkpoint save of step {step} to {self.step_dir(step)} failed: "
+                                   f"{error_line(e)}; {last}")
+
+    def check(self, *, block: bool = False) -> None:
+        """Raises `CheckpointSaveError` if the pending background save failed. Without `block` a save
+        still being written is left alone (no wait), so calling this after every step is cheap."""
+        if self._pending is None or (not block and self.manager.is_saving_in_progress()):
+            return
+        step, self._pending = self._pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - whatever the writer raised, reported as one line
+            raise self._save_error(step, e) from None
+
     def wait(self) -> None:
+        self.check(block=True)
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
     # ------------------------------------------------------------------------------------------ restore
     def _check_item(self, step: int, item: str, target: Any) -> None:
@@ -169,6 +247,11 @@ class Checkpointer:
                                   f"{int(jax.device_get(state.step))} != directory step {step}")
         return state, dict(out["data"] or {}), dict(out["config"] or {})
 
+    def restore_config(self, step: int) -> dict[str, Any]:
+        """Only the run config item of `step` (JSON, cheap: read before any array)."""
+        out = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        return dict(out["config"] or {})
+
     def restore_params(self, abstract_params: Any, step: int | None = None) -> Any:
         """Only the params item (eval, export), in the layout of `abstract_params`."""
         step = self.latest_step() if step is None else step
@@ -180,4 +263,4 @@ class Checkpointer:
         return out["params"]
 
 
-__all__ = ["CheckpointError", "Checkpointer"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "Checkpointer", "error_line", "first_nonfinite_leaf"]

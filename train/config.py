@@ -89,6 +89,12 @@ class TrainConfig:
 
     `param_dtype` is the dtype of the master weights the optimizer updates (the model's compute
     dtype is `ModelConfig.dtype`). `eval_every` / `log_every` count optimizer steps; 0 disables eval.
+
+    `on_nonfinite`: what a step with a NaN/Inf loss, gradient norm or update does: ``stop`` (the run
+    ends with an error naming the step, saving nothing after it) or ``skip`` (the update is dropped;
+    `max_skipped` skipped updates in a row then stop the run as ``stop`` does). `resume`: ``check``
+    refuses to resume a checkpoint written with another config where the recipe says it must match
+    (model, data, optimizer, ...); ``force`` resumes anyway and logs the differences.
     """
 
     steps: int = 100
@@ -98,9 +104,12 @@ class TrainConfig:
     eval_steps: int = 1
     log_every: int = 1
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_skipped: int = 5
+    resume: Literal["check", "force"] = "check"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batches", "log_every", "eval_steps"):
+        for name in ("steps", "micro_batches", "log_every", "eval_steps", "max_skipped"):
             if getattr(self, name) < 1:
                 raise TrainConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:

@@ -18,6 +18,14 @@ the last periodic checkpoint stands). The data state is therefore read after eve
 Multi-process data state: `data_state_fn` runs on every process but the checkpoint keeps one JSON
 (Orbax writes it from the primary process), so it must be the same on every process, e.g. the
 global batch index of an index-based pipeline where each process reads its slice of batch k.
+
+Faults (docs/guides/sft.md "Faults and recovery"): the run holds a lock on its checkpoint and run
+dirs (`train.run_lock`, taken before the checkpoint manager exists: a new manager deletes leftover tmp
+dirs, which would be the other run's save in flight); a resume takes the newest readable checkpoint
+and moves corrupt ones aside (`train.ckpt_verify`), after comparing its stored config with this one
+where the caller says it must match (`resume_must_match`, `train.config_diff`); non-finite steps stop
+the run or are skipped (`train.on_nonfinite`, `train.nonfinite`); a failed background save stops it
+(`CheckpointSaveError` from `Checkpointer.check` after each step).
 """
 
 from __future__ import annotations
@@ -26,14 +34,18 @@ import contextlib
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from train.checkpoint import Checkpointer
+from train.ckpt_verify import restore_newest_good
 from train.config import TrainerConfig
+from train.config_diff import check_resume_config
 from train.logging import MetricsLogger
+from train.nonfinite import NonfiniteGuard
+from train.run_lock import run_lock
 from train.state import TrainState
 
 BatchFactory = Callable[[dict[str, Any] | None], Iterator[Any]]
@@ -46,6 +58,8 @@ class LoopResult:
     preempted: bool  # stopped by SIGTERM (a checkpoint of `step` was written)
     data_exhausted: bool  # the batches ran out before `train.steps`
     resumed_from: int | None  # the checkpoint step this run started from
+    nonfinite_step: int | None = None  # the run stopped on a non-finite step (train.on_nonfinite)
+    skipped: int = 0  # updates skipped as non-finite (train.on_nonfinite: skip)
 
 
 class DataWaitInterrupted(BaseException):
@@ -147,6 +161,7 @@ def run(
     checkpointer: Checkpointer | None = None,
     logger: MetricsLogger | None = None,
     abstract_state: TrainState | None = None,
+    resume_must_match: Sequence[str] = (),
 ) -> LoopResult:
     """Trains until `config.train.steps` updates (counting those of a resumed checkpoint).
 
@@ -160,7 +175,24 @@ def run(
     abstract_state: the restore target (shapes, dtypes, shardings); default: derived from `state`
       (`jax.eval_shape` of the function, so make that cheap to trace, or pass this).
     A `checkpointer` / `logger` passed in is flushed but left open; the ones made here are closed.
+    resume_must_match: dotted prefixes of `run_config` that a resumed checkpoint's stored config must
+      equal (`train.config_diff`; `train.resume: force` accepts a difference and logs it).
     """
+    say = logger.message if logger is not None else print
+    with run_lock([config.checkpoint.dir if checkpointer is None else checkpointer.directory,
+                   config.logging.run_dir], message=say):
+        return _run(train_step, state, batches, config=config, data_state_fn=data_state_fn, eval_fn=eval_fn,
+                    run_config=run_config, flops_per_step=flops_per_step, peak_flops=peak_flops,
+                    tokens_per_step=tokens_per_step, on_checkpoint=on_checkpoint, on_step=on_step,
+                    checkpointer=checkpointer, logger=logger, abstract_state=abstract_state,
+                    resume_must_match=resume_must_match)
+
+
+def _run(train_step: Callable, state: Any, batches: Any, *, config: TrainerConfig, data_state_fn: Any, eval_fn: Any,
+         run_config: Any, flops_per_step: Any, peak_flops: Any, tokens_per_step: Any, on_checkpoint: Any,
+         on_step: Any, checkpointer: Any, logger: Any, abstract_state: Any,
+         resume_must_match: Sequence[str]) -> LoopResult:
+    """`run` inside the run lock."""
     tc, cc = config.train, config.checkpoint
     ckpt, own_ckpt, own_log = checkpointer, False, logger is None
     if ckpt is None and cc.dir is not None:
@@ -169,11 +201,23 @@ def run(
                                   run_config=run_config, flops_per_step=flops_per_step, peak_flops=peak_flops)
 
     data_state: dict[str, Any] | None = None  # restored data state, then the one after the last batch drawn
-    resumed_from = ckpt.latest_step() if ckpt is not None else None
-    if resumed_from is not None:
+    def on_config(step: int, stored: Mapping[str, Any]) -> None:
+        if not resume_must_match:
+            return
+        where = str(ckpt.step_dir(step))
+        diff = check_resume_config(stored, run_config or {}, resume_must_match, where=where,
+                                   force=tc.resume == "force")
+        if diff:
+            log.message(f"train.resume=force: resuming {where} despite {len(diff)} config difference(s): "
+                         + "; ".join(diff))
+
+    resumed_from = None
+    if ckpt is not None and ckpt.all_steps():
         target = abstract_state if abstract_state is not None else _abstract_state(state)
-        state, data_state, _ = ckpt.restore(target, resumed_from)
-    elif callable(state):
+        found = restore_newest_good(ckpt, target, message=log.message, on_config=on_config)
+        if found is not None:
+            resumed_from, state, data_state = found
+    if resumed_from is None and callable(state):
         state = state()
     it = _open_batches(batches, data_state)
     if data_state_fn is None and hasattr(it, "get_state"):
@@ -186,10 +230,11 @@ def run(
     last_saved = resumed_from
     preempted = exhausted = in_data_wait = False
     track_data = ckpt is not None and data_state_fn is not None
+    guard = NonfiniteGuard(tc.on_nonfinite, tc.max_skipped, log.message)
 
     def save() -> None:
         nonlocal last_saved
-        if ckpt is None or last_saved == step:
+        if ckpt is None or last_saved == step or guard.poll():
             return
         ckpt.save(state, data_state=data_state if track_data else None)
         last_saved = step
@@ -219,13 +264,21 @@ def run(
                 eval_metrics = None
                 if eval_fn is not None and tc.eval_every and step % tc.eval_every == 0:
                     eval_metrics = eval_fn(state)
-                log.record(step, metrics, _tokens(batch, metrics, tokens_per_step), eval_metrics=eval_metrics)
+                guard.add(step, metrics)
+                rec = log.record(step, metrics, _tokens(batch, metrics, tokens_per_step), eval_metrics=eval_metrics)
                 if on_step is not None:
                     on_step(step, state, metrics)
-                if ckpt is not None and ckpt.should_save(step):
-                    save()
+                if rec is not None and guard.poll():  # the logger just fetched these metrics
+                    break
+                if ckpt is not None:
+                    ckpt.check()  # a failed background save stops the run here
+                    if ckpt.should_save(step):
+                        save()
+                        if guard.stop_step is not None:
+                            break
             else:
                 preempted = sigterm.agreed(step, final=True)
+            guard.poll()
             if preempted:
                 alone = jax.process_count() == 1
                 if alone or not in_data_wait:
@@ -239,6 +292,9 @@ def run(
                 log.message(f"SIGTERM received{during}: stopped after step {step}; {where}; exiting")
         if not preempted and ckpt is not None and cc.save_final:
             save()
+        if guard.stop_step is not None:
+            newest = f"the newest checkpoint is step {last_saved}" if last_saved is not None else "no checkpoint written"
+            log.message(f"stopped after step {step} (non-finite at step {guard.stop_step}); {newest}")
     finally:
         log.flush(step)
         if ckpt is not None:
@@ -246,7 +302,7 @@ def run(
         if own_log:
             log.close()
     return LoopResult(state=state, step=step, preempted=preempted, data_exhausted=exhausted,
-                      resumed_from=resumed_from)
+                      resumed_from=resumed_from, nonfinite_step=guard.stop_step, skipped=guard.skipped)
 
 
 __all__ = ["DataWaitInterrupted", "LoopResult", "run"]

@@ -48,7 +48,7 @@ def _cast_master(params: Any, master_dtype: jnp.dtype, keep_fp32: tuple[str, ...
 
 def init_train_state(
     params: Any, optimizer: Optimizer, *, seed: int = 0, master_dtype: str | jnp.dtype = "float32",
-    keep_fp32: tuple[str, ...] = FP32_ONLY_PATTERNS, out_shardings: Any = None,
+    keep_fp32: tuple[str, ...] = FP32_ONLY_PATTERNS, out_shardings: Any = None, donate: bool = False,
 ) -> TrainState:
     """A fresh state around an explicit params tree (random init or loaded HF weights).
 
@@ -56,6 +56,8 @@ def init_train_state(
     `out_shardings` (a TrainState-shaped tree of shardings, or one sharding) the state is built by a
     jitted function straight into that layout. The state may share buffers with `params` (no copy
     where the dtype already fits), and the train step donates them: keep host copies if you need them.
+    `donate` (with `out_shardings`): `params` (global arrays) are donated, so a param already in its
+    master dtype and sharding becomes the state's without a second copy on the devices.
     """
     dtype = jnp.dtype(master_dtype)
 
@@ -68,7 +70,7 @@ def init_train_state(
 
     if out_shardings is None:
         return build(params)
-    return jax.jit(build, out_shardings=out_shardings)(params)
+    return jax.jit(build, out_shardings=out_shardings, donate_argnums=(0,) if donate else ())(params)
 
 
 def abstract_train_state(init_fn: Callable[[], TrainState]) -> TrainState:

@@ -14,6 +14,12 @@ equal-size micro-batches). Metrics whose names match `sum_metrics` (counts: ``we
 Micro-batch m holds the examples ``i`` with ``i % micro_batches == m`` (a strided split): with the
 batch axis sharded over devices, every device then keeps its own rows in every micro-batch, so
 the split needs no communication.
+
+Non-finite steps: the metric ``nonfinite`` is 1 when the step's loss, gradient norm or update norm
+is NaN/Inf (computed in the graph: reading it costs no host sync of its own; the loop reads it where
+the logger fetches the metrics). With ``on_nonfinite="skip"`` such a step keeps the old params and
+optimizer state (a select in the graph; the step counter and the rng still advance, so the next step
+draws the next batch), with ``"stop"`` it applies the update and the loop stops the run.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ def _check_loss_output(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     loss, metrics = jnp.asarray(out[0]), out[1]
     if loss.shape != ():
         raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
-    for k in ("loss", "grad_norm", "lr"):
+    for k in ("loss", "grad_norm", "lr", "nonfinite"):
         if k in metrics:
             raise ValueError(f"loss_fn metric name {k!r} is reserved (the step reports it)")
     return loss, dict(metrics)
@@ -97,17 +103,20 @@ def make_train_step(
     loss_fn: LossFn, optimizer: Optimizer | optax.GradientTransformation, *, micro_batches: int = 1,
     compute_dtype: Any = None, keep_fp32: tuple[str, ...] = FP32_ONLY_PATTERNS,
     sum_metrics: tuple[str, ...] = DEFAULT_SUM_METRICS, in_shardings: Any = None, out_shardings: Any = None,
-    donate: bool = True, jit: bool = True,
+    donate: bool = True, jit: bool = True, on_nonfinite: str = "stop",
 ) -> StepFn:
     """``step(state, batch) -> (new_state, metrics)``; metrics: ``loss``, ``grad_norm`` (global
     norm of the trainable gradients before clipping), ``lr`` (with an `Optimizer`) and the
-    accumulated `loss_fn` metrics. `optimizer` may be a bare optax transform (everything trains).
+    accumulated `loss_fn` metrics, ``nonfinite`` (module docstring; `on_nonfinite` "stop" | "skip").
+    `optimizer` may be a bare optax transform (everything trains).
 
     jitted with the state donated; `in_shardings` / `out_shardings` go to `jax.jit` as given (the
     caller owns the sharding rules). Frozen params are not differentiated and come back unchanged.
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if on_nonfinite not in ("stop", "skip"):
+        raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
     tx = optimizer.tx if isinstance(optimizer, Optimizer) else optimizer
     schedule = optimizer.schedule if isinstance(optimizer, Optimizer) else None
 
@@ -145,10 +154,18 @@ def make_train_step(
             full_grads[i] = g
         updates, opt_state = tx.update(jax.tree.unflatten(treedef, full_grads), state.opt_state, state.params)
         upd_leaves = treedef.flatten_up_to(updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(
+            optax.global_norm([upd_leaves[i] for i in train_idx]))
         new_leaves = list(leaves)
         for i in train_idx:
             new_leaves[i] = (leaves[i] + upd_leaves[i]).astype(leaves[i].dtype)
-        out = {"loss": loss.astype(jnp.float32), "grad_norm": grad_norm.astype(jnp.float32), **metrics}
+        if on_nonfinite == "skip":
+            # not optax.apply_if_finite: it changes the optimizer state's tree (old checkpoints and
+            # the opt-state shardings would no longer fit) and looks at the updates only
+            new_leaves = [jnp.where(finite, n, o) for n, o in zip(new_leaves, leaves)]
+            opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), opt_state, state.opt_state)
+        out = {"loss": loss.astype(jnp.float32), "grad_norm": grad_norm.astype(jnp.float32),
+               "nonfinite": (~finite).astype(jnp.float32), **metrics}
         if schedule is not None:
             out["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         new_state = TrainState(params=jax.tree.unflatten(treedef, new_leaves), opt_state=opt_state,

@@ -28,7 +28,7 @@ import dataclasses
 import json
 import logging
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from clover_jax.bridge.params_checkpoint import (
     write_params_checkpoint,
 )
 from clover_jax.bridge.safetensors_io import CheckpointError, SafetensorsIndex, ShardedSafetensorsWriter
+from clover_jax.bridge.staged_dir import staged_dir
 from clover_jax.bridge.vocab_subset import SUBSET_FILE
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja", SUBSET_FILE,  # vocab_subset.json: a task vocabulary's map to the base ids
 )
 EXPORT_FORMATS = ("qwen", "clover")
+#: What wrote an export (JSON; the SFT recipe's run dir and step): lets a rerun of the same run replace
+#: its own export while an unrelated folder is refused.
+EXPORT_INFO_FILE = "clover_export.json"
 #: Names for checkpoints that record no source (e.g. trained from scratch): compact fused experts.
 DEFAULT_LAYOUT = hk.HFLayout(hk.PLAIN_PREFIX, hk.FUSED)
 
@@ -221,6 +225,7 @@ def _write_hf_dir(
     max_shard_bytes: int,
     overwrite: bool,
     format: str,
+    provenance: Mapping[str, Any] | None = None,
 ) -> Path:
     """The streaming core shared by `export_orbax_to_hf` and `write_hf`: plans every shard from
     shapes and dtypes, then writes one global tensor and one layer at a time.
@@ -228,7 +233,15 @@ def _write_hf_dir(
     ``read_global(flat_key)`` is called for each global tensor just before its HF tensor is
     written, and the result is dropped right after, so the embedding and head (GBs at 35B) are
     never in memory together. Every HF tensor goes out as row blocks (`write_rows`): a transposed
-    or concatenated tensor is never materialised whole."""
+    or concatenated tensor is never materialised whole.
+
+    Invariants: the whole directory (shards, index, configs, tokenizer files, `EXPORT_INFO_FILE`)
+    is built in a temp sibling and renamed into place only when complete (`staged_dir`), so any
+    failure leaves ``out`` as it was; a non-empty ``out`` is refused unless ``overwrite`` (then it
+    is replaced whole: no file of the previous model survives); every float tensor is checked for
+    NaN / Inf block by block as it streams, and one that has any fails the export naming it.
+    ``provenance`` (JSON-able) is written to `EXPORT_INFO_FILE` (the SFT recipe records its run)."""
+    _check_export_target(out, overwrite)
     tok = None
     if format == "clover":
         # before any tensor is written: a tokenizer / mask id mismatch must not leave a half export
@@ -241,20 +254,59 @@ def _write_hf_dir(
     plan = hk.globals_hf_specs(cfg, layout, globals_dtypes)
     for i in range(cfg.num_hidden_layers):
         plan += hk.layer_hf_specs(cfg, layout, i, layer_dtypes(i))
-    with bounded_host_memory(), ShardedSafetensorsWriter(out, max_shard_bytes, overwrite=overwrite) as w:
-        w.plan(plan)
-        for key, blocks in hk.iter_globals_to_hf_blocks(cfg, layout, read_global):
-            w.write_rows(key, blocks)
-            release_host_memory()
-        for i in range(cfg.num_hidden_layers):
-            for key, blocks in hk.iter_layer_to_hf_blocks(cfg, layout, i, read_layer(i)):
-                w.write_rows(key, blocks)
-            release_host_memory()
-    _write_configs(cfg, out, source_dir, globals_dtypes["embed.embedding"].name, format,
-                   tok[0] if tok is not None else None)
+    with staged_dir(out) as tmp:
+        with bounded_host_memory(), ShardedSafetensorsWriter(tmp, max_shard_bytes) as w:
+            w.plan(plan)
+            for key, blocks in hk.iter_globals_to_hf_blocks(cfg, layout, read_global):
+                w.write_rows(key, _finite_blocks(out, key, blocks))
+                release_host_memory()
+            for i in range(cfg.num_hidden_layers):
+                for key, blocks in hk.iter_layer_to_hf_blocks(cfg, layout, i, read_layer(i)):
+                    w.write_rows(key, _finite_blocks(out, key, blocks))
+                release_host_memory()
+        _write_configs(cfg, tmp, source_dir, globals_dtypes["embed.embedding"].name, format,
+                       tok[0] if tok is not None else None)
+        if provenance is not None:
+            (tmp / EXPORT_INFO_FILE).write_text(json.dumps(dict(provenance), indent=2) + "\n")
     logger.info("wrote HF checkpoint %s (%s, prefix %r, %s experts)", out, format, layout.prefix,
                 layout.expert_layout)
     return out
+
+
+def _check_export_target(out: Path, overwrite: bool) -> None:
+    """``out`` may be written: absent, an empty dir, or (``overwrite``) any dir. Refusing here, before
+    any tensor is read, is what keeps an export from replacing a folder that holds another model."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise CheckpointError(f"{out}: exists and is not a directory")
+    held = sorted(p.name for p in out.iterdir())
+    if held and not overwrite:
+        more = f", ... ({len(held)} entries)" if len(held) > 3 else ""
+        raise CheckpointError(f"{out}: exists and is not empty (holds {', '.join(held[:3])}{more}); pass "
+                              "overwrite=True to replace the whole directory")
+
+
+def _finite_blocks(out: Path, key: str, blocks: Iterable[Any]) -> Iterator[np.ndarray]:
+    """``blocks`` passed through, each float block checked for NaN / Inf before it is written (so a
+    35B export is checked as it streams, without a second pass over the weights)."""
+    for block in blocks:
+        block = np.asarray(block)
+        if (block.dtype.kind in "fc" or "float" in block.dtype.name) and not np.isfinite(block).all():
+            bad = int(block.size - np.count_nonzero(np.isfinite(block)))
+            raise CheckpointError(f"tensor {key!r} holds {bad} non-finite values (NaN / Inf): refusing to export "
+                                  f"it; {out} is left as it was")
+        yield block
+        del block  # the next block is produced only when this one is gone
+
+
+def read_export_info(hf_dir: str | Path) -> dict[str, Any] | None:
+    """The `EXPORT_INFO_FILE` of an export (what wrote it), None when it has none or it is unreadable."""
+    try:
+        info = json.loads((Path(hf_dir) / EXPORT_INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
 
 
 MASK_TOKEN = "<|mask|>"
@@ -303,8 +355,7 @@ def _write_configs(
     # must not claim bf16
     hf["dtype"] = weights_dtype if weights_dtype in ("float32", "bfloat16", "float16") else hf["dtype"]
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    if source_dir is not None and source_dir.absolute() == out.absolute():
-        source_dir = None  # exporting over the source: its side files are already in place
+    # ``out`` is the export's temp dir: exporting over the source dir still reads the old files here
     src_gen = source_dir / "generation_config.json" if source_dir else None
     if src_gen is not None and src_gen.is_file():
         shutil.copyfile(src_gen, out / "generation_config.json")
@@ -368,7 +419,8 @@ def export_orbax_to_hf(
     Clover converter reads; ``"packed"``: the two of the other public naming, `hf_clover`); None: by
     the checkpoint's mode. ``expert_layout`` (``"fused"`` / ``"per_expert"``) and ``prefix`` (``"model.language_model."`` /
     ``"model."``) default to the source's as recorded at convert time. Tokenizer files and
-    generation_config.json come from the recorded source dir when it still exists.
+    generation_config.json come from the recorded source dir when it still exists. The directory is
+    written atomically; a non-empty ``out_dir`` is refused unless ``overwrite`` (replaced whole).
     """
     ck = open_params_checkpoint(ckpt_dir)
     cfg, info = ck.cfg, ck.info
@@ -399,10 +451,12 @@ def write_hf(
     source_dir: str | Path | None = None,
     overwrite: bool = False,
     clover_naming: str = hc.SPLIT,
+    provenance: Mapping[str, Any] | None = None,
 ) -> Path:
     """In-memory per-layer tree (numpy or jax leaves, any dtypes) -> HF dir. Leaves are fetched to
     host one layer at a time. ``source_dir``: where to copy tokenizer / generation config from.
-    ``format`` and ``clover_naming`` as in `export_orbax_to_hf`."""
+    ``format`` and ``clover_naming`` as in `export_orbax_to_hf`; atomicity, ``overwrite``, the NaN
+    check and ``provenance`` as in `_write_hf_dir`."""
     format = _resolve_format(format, cfg)
     layers = per_layer_tree["layers"]
     if len(layers) != cfg.num_hidden_layers:
@@ -415,7 +469,7 @@ def write_hf(
         layer_dtypes=lambda i: _dtypes(layers[i]),
         read_layer=lambda i: _to_host(layers[i]),
         source_dir=Path(source_dir) if source_dir else None,
-        max_shard_bytes=max_shard_bytes, overwrite=overwrite, format=format,
+        max_shard_bytes=max_shard_bytes, overwrite=overwrite, format=format, provenance=provenance,
     )
 
 
@@ -425,6 +479,6 @@ def _to_host(tree: Tree) -> Tree:
 
 
 __all__ = [
-    "EXPORT_FORMATS", "HFCheckpoint", "MASK_TOKEN", "clover_tokenizer", "TOKENIZER_FILES", "convert_hf_to_orbax", "export_orbax_to_hf",
+    "EXPORT_FORMATS", "EXPORT_INFO_FILE", "HFCheckpoint", "read_export_info", "MASK_TOKEN", "clover_tokenizer", "TOKENIZER_FILES", "convert_hf_to_orbax", "export_orbax_to_hf",
     "iter_hf_layers", "open_hf", "read_hf", "read_hf_config", "read_hf_globals", "write_hf",
 ]

@@ -22,8 +22,8 @@ return those chunk-sized buffers to the OS instead of caching them, and `release
 (``malloc_trim``) runs after each item.
 
 Atomicity: everything is written into a hidden temp sibling ``.{name}.partial-*`` and renamed into
-place at the very end, so an interrupted write never leaves a directory at ``out_dir``; and a
-directory without ``clover_ckpt.json`` is refused by the reader as incomplete.
+place at the very end (`staged_dir`), so an interrupted write never leaves a directory at
+``out_dir``; and a directory without ``clover_ckpt.json`` is refused by the reader as incomplete.
 """
 
 from __future__ import annotations
@@ -34,11 +34,8 @@ import ctypes.util
 import dataclasses
 import json
 import logging
-import os
 import platform
-import shutil
 import threading
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,6 +46,7 @@ import numpy as np
 from clover_jax.config import ModelConfig
 from clover_jax.model.params import check_flat_shapes, flatten, global_param_shapes, layer_param_shapes, unflatten
 from clover_jax.bridge.safetensors_io import CheckpointError
+from clover_jax.bridge.staged_dir import staged_dir
 
 logger = logging.getLogger(__name__)
 
@@ -288,12 +286,9 @@ def write_params_checkpoint(
     """
     out = Path(out_dir).absolute()
     _prepare_target(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     ckptr = _checkpointer()
     try:
-        with bounded_host_memory():
+        with staged_dir(out) as tmp, bounded_host_memory():
             manifest = {"globals": _save_globals(ckptr, tmp, cfg, globals_tree), "layers": []}
             del globals_tree
             (tmp / LAYERS_DIR).mkdir()
@@ -311,44 +306,23 @@ def write_params_checkpoint(
                 manifest["layers"].append(_manifest(layer))
                 del layer
                 n += 1
-        if n != cfg.num_hidden_layers:
-            raise CheckpointError(f"layer_iter yielded {n} layers, config has {cfg.num_hidden_layers}")
-        (tmp / CONFIG_FILE).write_text(json.dumps(config_to_json(cfg), indent=2) + "\n")
-        info = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "num_layers": n,
-            "layer_types": list(cfg.layer_types),
-            "source": source_info or {},
-            "manifest": manifest,
-        }
-        # the completeness marker: nothing reads a checkpoint without it
-        (tmp / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            if n != cfg.num_hidden_layers:
+                raise CheckpointError(f"layer_iter yielded {n} layers, config has {cfg.num_hidden_layers}")
+            (tmp / CONFIG_FILE).write_text(json.dumps(config_to_json(cfg), indent=2) + "\n")
+            info = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "num_layers": n,
+                "layer_types": list(cfg.layer_types),
+                "source": source_info or {},
+                "manifest": manifest,
+            }
+            # the completeness marker: nothing reads a checkpoint without it
+            (tmp / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
     finally:
         ckptr.close()
     logger.info("wrote params checkpoint %s (%d layers)", out, n)
     return out
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """rename(tmp, out); an existing ``out`` (allowed by `_prepare_target`) is moved aside first and
-    deleted only once the new one is in place."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        if old is not None:
-            os.rename(old, out)  # put the previous checkpoint back
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,6 +445,55 @@ class ParamsCheckpoint:
         if self._manifest.get("layers"):
             _check_manifest(layer, self._manifest["layers"][i], str(self.dir / _layer_item(i)))
         return layer
+
+    @property
+    def sharded_reads(self) -> bool:
+        """Whether `read_layer_sharded` / `read_global_sharded` work: they take shapes and dtypes
+        from the manifest, and need one item per global tensor (format version 2)."""
+        return self.version >= 2 and bool(self._manifest.get("layers")) and "globals" in self._manifest
+
+    def stored(self, item: str | int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Flat key -> (shape, dtype) as stored, of layer ``item`` or global ``item`` (manifest)."""
+        m = self._manifest["layers"][item] if isinstance(item, int) else {item: self._manifest["globals"][item]}
+        return {k: (tuple(v[0]), np.dtype(v[1])) for k, v in m.items()}
+
+    def read_layer_sharded(self, i: int, shardings: Mapping[str, Any]) -> dict[str, Any]:
+        """Layer ``i`` as global jax arrays (flat key -> array), restored straight into
+        ``shardings`` (flat key -> `jax.sharding.Sharding`, exactly the stored keys), in the stored
+        shapes and dtypes: each process reads only the chunks of its addressable shards, so no host
+        holds the whole layer. Every process must call it (Orbax restores collectively)."""
+        return self._restore_sharded(self.dir / _layer_item(i), self.stored(i), shardings)
+
+    def read_global_sharded(self, key: str, sharding: Any) -> Any:
+        """One global tensor restored straight into ``sharding`` (as `read_layer_sharded`)."""
+        if key not in self.global_keys:
+            raise CheckpointError(f"{self.dir}: no global param {key!r} (has {self.global_keys})")
+        return self._restore_sharded(self.dir / _global_item(key), self.stored(key), {key: sharding})[key]
+
+    def _restore_sharded(self, path: Path, stored: dict[str, tuple[tuple[int, ...], np.dtype]],
+                         shardings: Mapping[str, Any]) -> dict[str, Any]:
+        import jax
+        import orbax.checkpoint as ocp
+
+        if not self.sharded_reads:
+            raise CheckpointError(f"{self.dir}: format version {self.version} has no per-tensor manifest for "
+                                  "sharded reads (use read_layer / read_global)")
+        if set(shardings) != set(stored):
+            raise CheckpointError(f"{path}: holds params {sorted(stored)}, asked for {sorted(shardings)}")
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: Orbax item missing from the params checkpoint")
+        target = unflatten({k: jax.ShapeDtypeStruct(shp, dt, sharding=shardings[k]) for k, (shp, dt) in stored.items()})
+        args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype),
+                            target)
+        ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+        try:
+            tree = ckptr.restore(path.absolute(), args=ocp.args.PyTreeRestore(item=target, restore_args=args))
+        except Exception as e:  # orbax raises assorted types (ValueError, FileNotFoundError, ...)
+            raise CheckpointError(f"{path}: cannot restore Orbax item: {type(e).__name__}: {e}") from e
+        finally:
+            ckptr.close()
+            release_host_memory()
+        return flatten(tree)
 
 
 def open_params_checkpoint(ckpt_dir: str | Path) -> ParamsCheckpoint:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from clover_jax.decoding.generator import (DecodeConfig, DecodeError, Decoder, Generation, jsonl_lines, resolve_eos_ids,
                                  resolve_vocab_limit)
@@ -69,10 +69,22 @@ def render_messages(tok, messages: list[dict], tools: list[dict] | None, where: 
     return tok.encode(text, add_special_tokens=False)
 
 
-def read_prompts_file(path: str | Path, tok) -> list[tuple[str, list[int], dict[str, Any]]]:
-    """(display prompt, ids, record) per line of a JSONL file; errors (InputFileError) name the line."""
+def read_prompt_records(path: str | Path) -> list[tuple[Path, int, Any]]:
+    """(path, line, parsed JSON) per non-blank line of a prompts JSONL, read before any checkpoint
+    is loaded: a missing file is a FileNotFoundError, a line that is not JSON or a file without a
+    prompt an InputFileError naming the file (launch.py exits 2)."""
+    records = list(jsonl_lines(path, "prompts file"))
+    if not records:
+        raise InputFileError(f"{path}: no prompts in the file (it has no non-blank line)")
+    return records
+
+
+def render_prompt_records(records: Sequence[tuple[Path, int, Any]],
+                          tok) -> list[tuple[str, list[int], dict[str, Any]]]:
+    """(display prompt, ids, record) per record of `read_prompt_records`; errors (InputFileError)
+    name the line."""
     out = []
-    for p, n, rec in jsonl_lines(path, "prompts file"):
+    for p, n, rec in records:
         if tok is None:
             raise DecodeError(f"{p}:{n}: the checkpoint has no tokenizer to render prompts; use --prompt-ids")
         if isinstance(rec, dict) and "messages" in rec:
@@ -86,9 +98,12 @@ def read_prompts_file(path: str | Path, tok) -> list[tuple[str, list[int], dict[
         else:
             raise InputFileError(f"{p}:{n}: expected a chat record with 'messages' or an object with a 'prompt' string")
         out.append((text, tok.encode(text, add_special_tokens=False), rec))
-    if not out:
-        raise DecodeError(f"{p}: no prompts in the file")
     return out
+
+
+def read_prompts_file(path: str | Path, tok) -> list[tuple[str, list[int], dict[str, Any]]]:
+    """`render_prompt_records(read_prompt_records(path), tok)`."""
+    return render_prompt_records(read_prompt_records(path), tok)
 
 
 def parse_decode_overrides(overrides: Sequence[str], base: DecodeConfig | None = None) -> DecodeConfig:
@@ -109,11 +124,15 @@ def decode_texts(tok, gens: list[Generation], eos_ids: Sequence[int]) -> None:
         g.text = tok.decode(ids, skip_special_tokens=True) if tok is not None else None
 
 
-def run_generate(args: Any) -> int:
-    """`launch.py generate`: see the module docstring."""
+def run_generate(args: Any, load: Callable[..., tuple[Any, Any, Any]] = load_checkpoint) -> int:
+    """`launch.py generate`: see the module docstring. ``load(path, **runtime)`` -> (ModelConfig,
+    model, tokenizer or None): `load_checkpoint`, or launch's wider loader (SFT training checkpoints
+    too: decoding does not import the recipe)."""
     dcfg = parse_decode_overrides(args.overrides)
+    # a bad prompts file fails before a checkpoint (tens of GB on the 35B) is read
+    records = read_prompt_records(args.prompts) if args.prompts is not None else None
     runtime = {} if dcfg.mask_token_id is None else {"mask_token_id": dcfg.mask_token_id}
-    cfg, model, tok = load_checkpoint(args.checkpoint, **runtime)
+    cfg, model, tok = load(args.checkpoint, **runtime)
     given = [x is not None for x in (args.prompt, args.prompts, args.prompt_ids)]
     if sum(given) != 1:
         raise DecodeError("give exactly one of --prompt, --prompts, --prompt-ids")
@@ -132,7 +151,7 @@ def run_generate(args: Any) -> int:
             ids = render_messages(tok, [{"role": "user", "content": args.prompt}], None) if args.prompt else []
         prompts = [(args.prompt, ids)]
     else:
-        prompts = [(text, ids) for text, ids, _ in read_prompts_file(args.prompts, tok)]
+        prompts = [(text, ids) for text, ids, _ in render_prompt_records(records, tok)]
     eos = resolve_eos_ids(dcfg, cfg, tok)
     decoder = Decoder(model, dcfg, eos_ids=eos, vocab_limit=resolve_vocab_limit(dcfg, cfg, tok))
     bs = max(1, int(args.batch_size))
@@ -187,5 +206,5 @@ def run_generate(args: Any) -> int:
     return 0
 
 
-__all__ = ["decode_texts", "load_checkpoint", "parse_decode_overrides", "read_prompts_file", "render_messages",
-           "run_generate"]
+__all__ = ["decode_texts", "load_checkpoint", "parse_decode_overrides", "read_prompt_records", "read_prompts_file",
+           "render_messages", "render_prompt_records", "run_generate"]

@@ -392,6 +392,16 @@ def model_to_params(model: CloverModel) -> Tree:
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+#: Params that keep the model's own dtype (fp32) whatever `param_dtype` (their numerics need it).
+OWN_DTYPE_SUFFIXES = ("A_log", "dt_bias", "bd_gdn_softmax_scalars")
+
+
+def param_dtype_of(cfg: ModelConfig, key: str, own: Any) -> Any:
+    """The dtype `model_from_params` gives the param at flat `key`: `cfg.param_dtype`, except the
+    `OWN_DTYPE_SUFFIXES` ones, which keep `own` (the abstract model's dtype for that param)."""
+    return own if key.endswith(OWN_DTYPE_SUFFIXES) else dtype_of(cfg.param_dtype)
+
+
 def model_from_params(cfg: ModelConfig, params: Tree) -> CloverModel:
     """Builds the model around stacked-form params (numpy or jax), cast to `param_dtype` except the
     fp32-only GDN `A_log` / `dt_bias`. Fails naming the first missing, extra or mis-shaped entry."""
@@ -400,9 +410,7 @@ def model_from_params(cfg: ModelConfig, params: Tree) -> CloverModel:
     flat_t = flatten(nnx.to_pure_dict(state))
     flat_p = flatten(params)
     check_flat_shapes(flat_p, {k: tuple(v.shape) for k, v in flat_t.items()}, "model params", ValueError)
-    pd = dtype_of(cfg.param_dtype)
-    out = {k: jnp.asarray(flat_p[k], dtype=ref.dtype if k.endswith(("A_log", "dt_bias", "bd_gdn_softmax_scalars")) else pd)
-           for k, ref in flat_t.items()}
+    out = {k: jnp.asarray(flat_p[k], dtype=param_dtype_of(cfg, k, ref.dtype)) for k, ref in flat_t.items()}
     nnx.replace_by_pure_dict(state, unflatten(out))
     nnx.update(model, state)
     return model

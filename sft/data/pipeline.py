@@ -21,7 +21,9 @@ arrays ``input_ids`` int32, ``segment_ids`` int32, ``positions`` int32, ``loss_m
 No silent spinning: documents that fail to render are counted per source over a sliding window
 of ``data.bad_window`` documents and stop the iterator (``DataError`` naming the source, its first
 failing record and the cause) once more than ``max_bad_fraction`` of a window failed; a source
-whose last ``bad_window`` documents gave no trainable piece stops it too (``_SourceHealth``).
+whose last ``bad_window`` documents gave no trainable piece stops it too (``_SourceHealth``). The
+first ``MAX_BAD_SHOWN`` render failures of each source are logged (warning, ``file:line: reason``);
+later ones are only counted.
 
 Iterator state (``get_state()`` / ``set_state()``, JSON-serialisable, also usable through Grain's
 Orbax checkpoint handler) = the next document counter, the open and ready rows as piece
@@ -34,6 +36,7 @@ from __future__ import annotations
 import collections
 import copy
 import hashlib
+import logging
 from typing import Any
 
 import grain
@@ -45,9 +48,11 @@ from sft.data.config import DataConfig
 from sft.data.packing import BlockPacker, Piece, assemble_row, empty_row, split_doc
 from sft.data.records import DataError
 from sft.data.render import ChatRenderer, Doc
-from sft.data.sources import LoadedSource, load_source
+from sft.data.sources import MAX_BAD_SHOWN, LoadedSource, load_source
 
 __all__ = ["PackedBatchIterator", "SFTData", "source_seed"]
+
+log = logging.getLogger(__name__)
 
 _COUNTERS = ("docs", "render_bad", "overlong_split", "overlong_dropped", "hard_cuts",
              "dropped_no_loss", "pieces", "tokens", "loss_tokens", "response_pads")
@@ -172,8 +177,13 @@ class PackedBatchIterator(grain.DatasetIterator):
             if self._cfg.on_bad == "fail":
                 raise doc
             source = getattr(doc, "source", 0)
-            self._counts[self._names[source]]["render_bad"] += 1
-            self._health[source].record(doc, 0, str(doc.loc))
+            c = self._counts[self._names[source]]
+            c["render_bad"] += 1
+            self._health[source].record(doc, 0, str(doc.loc))  # raises past the source's allowance
+            if c["render_bad"] <= MAX_BAD_SHOWN:  # the count survives a resume: bounded over the run
+                last = "; later render failures of this source are counted, not logged" \
+                    if c["render_bad"] == MAX_BAD_SHOWN else ""
+                log.warning("source %r: skipped a document that failed to render: %s%s", self._names[source], doc, last)
             return True
         self._health[doc.source].record(None, len(res.pieces), doc.loc)
         c = self._counts[self._names[doc.source]]

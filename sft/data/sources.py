@@ -6,13 +6,17 @@ the split and mixing work on plain lists.
 
 Bad records (malformed lines, converter/validation ``DataError``s) are skipped and counted
 (``on_bad: skip``) or raised at once (``on_bad: fail``). After reading, a source whose bad fraction
-exceeds ``max_bad_fraction`` raises ``DataError`` naming the first bad record's location.
+exceeds ``max_bad_fraction`` raises ``DataError`` naming the first bad record's location; else the
+first ``MAX_BAD_SHOWN`` skipped records are logged (warning, ``file:line: reason``) and kept in
+``SourceStats.bad_examples``. A source whose files hold no record at all raises ``DataError``
+naming the file (a user's input, like a bad record: launch.py exits 2).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
@@ -23,7 +27,12 @@ from sft.data.converters import make_converter, resolve_options
 from sft.data.readers import expand_path, iter_file, iter_hf
 from sft.data.records import DataError, Loc
 
-__all__ = ["LoadedSource", "SourceStats", "eval_score", "keep_record", "load_source"]
+__all__ = ["MAX_BAD_SHOWN", "LoadedSource", "SourceStats", "eval_score", "keep_record", "load_source", "shown_bad"]
+
+log = logging.getLogger(__name__)
+
+#: bad records named one by one in the log (per source); the rest are counted
+MAX_BAD_SHOWN = 3
 
 
 @dataclass
@@ -37,6 +46,7 @@ class SourceStats:
     train: int = 0
     eval: int = 0
     first_bad: str | None = None
+    bad_examples: list[str] = field(default_factory=list)  # the first MAX_BAD_SHOWN, "loc: reason"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +132,8 @@ def load_source(src: SourceConfig, cfg: DataConfig) -> LoadedSource:
                 raise
             st.bad += 1
             st.first_bad = st.first_bad or str(e)
+            if len(st.bad_examples) < MAX_BAD_SHOWN:
+                st.bad_examples.append(str(e))
             continue
         if record is None or not keep_record(record, src.filter):
             st.filtered += 1
@@ -130,6 +142,9 @@ def load_source(src: SourceConfig, cfg: DataConfig) -> LoadedSource:
         if src.max_records is not None and len(kept) >= src.max_records:
             break
     if st.read == 0:
+        if files:  # the user's file(s) hold nothing: bad input, named like a bad record
+            what = str(files[0]) if len(files) == 1 else f"{src.path} ({len(files)} files)"
+            raise DataError(what, f"no records ({where}: empty, or only blank lines)")
         raise ConfigError(f"{where}: empty dataset (no records in {src.path or src.hf})")
     if st.bad and st.bad / st.read > cfg.max_bad_fraction:
         raise DataError(None, f"{where}: {st.bad} of {st.read} records are bad "
@@ -145,4 +160,15 @@ def load_source(src: SourceConfig, cfg: DataConfig) -> LoadedSource:
     if not out.train:
         raise ConfigError(f"{where}: all {st.kept} records fell into the eval split "
                           f"(eval_fraction {cfg.eval_fraction})")
+    if st.bad:
+        log.warning("%s", shown_bad(f"{where}: skipped {st.bad} bad record(s) of {st.read}", st.bad_examples, st.bad))
     return out
+
+
+def shown_bad(head: str, examples: list[str], total: int) -> str:
+    """`head`, then one indented line per example (``loc: reason``) and "and K more" for the rest
+    of `total`: how skipped records are named in the log, bounded by the examples kept."""
+    lines = [head + ":", *(f"  {e}" for e in examples)]
+    if total > len(examples):
+        lines.append(f"  and {total - len(examples)} more")
+    return "\n".join(lines)

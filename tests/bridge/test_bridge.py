@@ -322,7 +322,7 @@ def test_overwrite_rules(hub_dir, hub_ckpt, tmp_path):
     convert.convert_hf_to_orbax(hub_dir, copy, overwrite=True)
     assert pc.is_params_checkpoint(copy) and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     convert.export_orbax_to_hf(hub_ckpt, tmp_path / "out")
-    with pytest.raises(CheckpointError, match="already holds checkpoint files"):
+    with pytest.raises(CheckpointError, match="exists and is not empty .*; pass overwrite=True"):
         convert.export_orbax_to_hf(hub_ckpt, tmp_path / "out")
     convert.export_orbax_to_hf(hub_ckpt, tmp_path / "out", overwrite=True)
 

@@ -259,8 +259,8 @@ def test_config_and_open_errors(tok, tmp_path):
         SFTData(config(SourceConfig(name="m", path=str(tmp_path / "nope.jsonl"))), tok)
     with pytest.raises(ConfigError, match="no file matches"):
         SFTData(config(SourceConfig(name="m", path=str(tmp_path / "*.jsonl"))), tok)
-    (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(ConfigError, match="source 'e': empty dataset"):
+    (tmp_path / "empty.jsonl").write_text("\n")  # a user's file without a record: named, like a bad record
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'empty.jsonl'}: no records \(source 'e': empty"):
         SFTData(config(SourceConfig(name="e", path=str(tmp_path / "empty.jsonl"))), tok)
     with pytest.raises(ConfigError, match="eval_fraction: no eval records"):
         SFTData(config(synth("a", 5, 0), eval_fraction=0.0), tok).eval_iterator()

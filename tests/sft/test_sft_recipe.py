@@ -177,7 +177,7 @@ def runs(tmp_path_factory):
     generate_init_checkpoint(load_sft_config(cfg_a))
     p0 = _spawn(cfg_a, tmp / "cache_1dev")
     p8 = _spawn(cfg_8, tmp / "cache_8dev", "devices=8", "mesh.fsdp=2", "mesh.expert=4", "train.steps=2",
-                "export.dir=null", "count_flops=false")
+                "export.enabled=false", "count_flops=false")
     try:
         r0 = _finish(p0, 0)
     except BaseException:
@@ -193,7 +193,7 @@ def runs(tmp_path_factory):
             resume["steps_after_kill"] = _ckpt_steps(b)
             # R2, the real launch.py: no periodic saves (so the SIGTERM path writes the checkpoint),
             # SIGTERM from outside once it logged step 3; R3 resumes from what R2 saved to the end
-            real = (*extra, "export.dir=null")
+            real = (*extra, "export.enabled=false")
             p2 = _spawn(cfg_b, tmp / "cache_1dev", *real, "checkpoint.every_steps=0", launch_py=True)
             resume["r2_rc"], resume["r2"], resume["r2_caught"] = _sigterm_after_logged_step(p2, 3)
             resume["steps_after_term"] = _ckpt_steps(b)
@@ -315,14 +315,14 @@ def test_bad_input_errors_and_counted_skips_keep_the_run(runs, capsys):
     cases = {
         "too_many_bad": (f"[{{name: chat, path: {chat}}}]", [f"{chat}:21", "max_bad_fraction"]),
         "fail_fast": (f"[{{name: chat, path: {chat}}}]\n  on_bad: fail", [f"{chat}:21"]),
-        "empty": (f"[{{name: e, path: {empty}}}]", ["empty dataset"]),
+        "empty": (f"[{{name: e, path: {empty}}}]", [f"{empty}: no records"]),
         "missing": (f"[{{name: m, path: {tmp / 'nope.jsonl'}}}]", ["nope.jsonl"]),
         "weight": (f"[{{name: w, path: {chat}, weight: 0}}]", ["weight", "> 0"]),
     }
     for name, (src, needles) in cases.items():
         rc = launch.main(["sft", "--config", str(_bad_case(tmp, name, src))])
         err = capsys.readouterr().err
-        assert rc == (2 if name in ("too_many_bad", "fail_fast") else 1), (name, err)  # 2: a bad record of a file
+        assert rc == (2 if name in ("too_many_bad", "fail_fast", "empty") else 1), (name, err)  # 2: a user's file
         for n in needles:
             assert n in err, (name, n, err)
     # unknown config key: named, with the nearest valid one

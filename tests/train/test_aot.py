@@ -102,7 +102,7 @@ def test_layer_stack_applies_the_configured_policy():
 
 
 # The recipe's real SFT step (configs/agent_mix.yaml: two-stream forward, masked-diffusion loss,
-# backward, adamw with bf16 mu, micro-batch accumulation, its 4096-token CE chunks) for the slice and
+# backward, adamw with bf16 mu, micro-batch accumulation, its 2048-token CE chunks per chip) for the slice and
 # row length the recipe targets (v5p-64, seq 8192) at small widths: 2 layers of the bench preset
 # (TPU-tile multiples, so layout padding stays small). The 35B compile itself takes 10-30 minutes on 2
 # cores (docs/guides/aot_plans.md); the program's structure is the same.
