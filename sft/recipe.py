@@ -221,9 +221,12 @@ class SFTSetup:
         from train.step import make_train_step
 
         replicated = NamedSharding(self.mesh, P())
+        # the options of the platform this step compiles for (a TPU topology's under `launch.py compile`)
+        platform = self.mesh.devices.flat[0].platform
         return make_train_step(self.loss_fn(block_size), self.optimizer, micro_batches=self.cfg.train.micro_batches,
                                compute_dtype=self.compute_dtype, out_shardings=(self.state_shardings, replicated),
-                               on_nonfinite=self.cfg.train.on_nonfinite)
+                               on_nonfinite=self.cfg.train.on_nonfinite,
+                               compiler_options=self.cfg.train.compiler_options.get(platform))
 
     def step_flops(self, block_size: int, abstract_batch: Any) -> float | None:
         """XLA's FLOP count of one train step (`cost_analysis` of the lowering, no compile) with the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from clover_jax.yaml_config import ConfigError
 
@@ -23,6 +23,10 @@ DEFAULT_NO_DECAY: tuple[str, ...] = (
     r"(^|\.)dt_bias$",
     r"bd_gdn_softmax_scalars",
 )
+
+
+#: platforms of `TrainConfig.compiler_options` (jax's `Device.platform` names)
+COMPILER_PLATFORMS = ("tpu", "gpu", "cpu")
 
 
 class TrainConfigError(ConfigError):
@@ -95,6 +99,12 @@ class TrainConfig:
     `max_skipped` skipped updates in a row then stop the run as ``stop`` does). `resume`: ``check``
     refuses to resume a checkpoint written with another config where the recipe says it must match
     (model, data, optimizer, ...); ``force`` resumes anyway and logs the differences.
+
+    `compiler_options`: XLA options of the train step's compile, per platform (``tpu``, ``gpu``,
+    ``cpu``): only the entry of the platform the step compiles for applies (another backend would
+    reject an option it does not know), e.g. ``{tpu: {xla_jf_spmd_threshold_for_windowed_einsum_mib:
+    1000000}}`` makes the TPU compiler all-gather the FSDP weights of a dense projection instead of
+    streaming them through a windowed-einsum loop.
     """
 
     steps: int = 100
@@ -107,8 +117,16 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_skipped: int = 5
     resume: Literal["check", "force"] = "check"
+    compiler_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for platform, opts in self.compiler_options.items():
+            if platform not in COMPILER_PLATFORMS:
+                raise TrainConfigError(f"train.compiler_options: unknown platform {platform!r} "
+                                       f"(expected one of {', '.join(COMPILER_PLATFORMS)})")
+            if not isinstance(opts, dict):
+                raise TrainConfigError(f"train.compiler_options.{platform}: expected a mapping of XLA "
+                                       f"options, got {type(opts).__name__}")
         for name in ("steps", "micro_batches", "log_every", "eval_steps", "max_skipped"):
             if getattr(self, name) < 1:
                 raise TrainConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -104,6 +104,7 @@ def make_train_step(
     compute_dtype: Any = None, keep_fp32: tuple[str, ...] = FP32_ONLY_PATTERNS,
     sum_metrics: tuple[str, ...] = DEFAULT_SUM_METRICS, in_shardings: Any = None, out_shardings: Any = None,
     donate: bool = True, jit: bool = True, on_nonfinite: str = "stop",
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> StepFn:
     """``step(state, batch) -> (new_state, metrics)``; metrics: ``loss``, ``grad_norm`` (global
     norm of the trainable gradients before clipping), ``lr`` (with an `Optimizer`) and the
@@ -111,7 +112,8 @@ def make_train_step(
     `optimizer` may be a bare optax transform (everything trains).
 
     jitted with the state donated; `in_shardings` / `out_shardings` go to `jax.jit` as given (the
-    caller owns the sharding rules). Frozen params are not differentiated and come back unchanged.
+    caller owns the sharding rules), `compiler_options` (XLA options of this platform) too. Frozen
+    params are not differentiated and come back unchanged.
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
@@ -179,6 +181,8 @@ def make_train_step(
         kw["in_shardings"] = in_shardings
     if out_shardings is not None:
         kw["out_shardings"] = out_shardings
+    if compiler_options:
+        kw["compiler_options"] = dict(compiler_options)
     return jax.jit(step, donate_argnums=(0,) if donate else (), **kw)
 
 

@@ -248,3 +248,29 @@ def test_cli_refuses_an_output_folder_that_does_not_exist_before_compiling(tmp_p
         err = capsys.readouterr()
         assert rc == 1 and f"{flag} {tmp_path / 'missing' / 'plan'}: the folder" in err.err, err
         assert "AOT plan" not in err.out  # nothing was compiled
+
+
+TINY_RECIPE = ["model.preset=tiny", "model.num_hidden_layers=2", "data.seq_len=256", "data.batch_size=4",
+               "train.micro_batches=1"]
+
+
+def test_compiler_options_reach_the_compile_of_their_platform_only():
+    """`train.compiler_options.tpu` goes into the TPU compile of the plan (an unknown option is
+    refused by that compiler, by name); the cpu / gpu entries never reach it (it would refuse
+    them: they are unknown options too)."""
+    import jax
+
+    import launch
+    from clover_jax.yaml_config import ConfigError
+
+    bogus = "{xla_no_such_option_for_the_test: 1}"
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option_for_the_test"):
+        launch._sft_compile_plans("configs/agent_mix.yaml", TINY_RECIPE + [f"train.compiler_options={{tpu: {bogus}}}"],
+                                  ["v5litepod-4"])
+    (p,) = launch._sft_compile_plans(
+        "configs/agent_mix.yaml", TINY_RECIPE + [f"train.compiler_options={{cpu: {bogus}, gpu: {bogus}}}"],
+        ["v5litepod-4"])
+    assert p.compiled
+    with pytest.raises(ConfigError, match="unknown platform 'tpuv5'"):
+        launch._sft_compile_plans("configs/agent_mix.yaml", TINY_RECIPE + [f"train.compiler_options={{tpuv5: {bogus}}}"],
+                                  ["v5litepod-4"])
