@@ -45,6 +45,16 @@ def readout_decay(aux_AC, auxn_AC) -> jax.Array:
     return jnp.where(m, jnp.exp(jnp.where(m, cumb - aux_row(aux_AC, CUM), 0.0)), 0.0)
 
 
+def before_block_start(auxn_AC) -> jax.Array:
+    """[C, C] bool: clean token j is the token just before noisy row i's block start (j = s_i - 1,
+    the s_i tokens of the blocks before i's own counted), whose En_ij = exp(CUMB_i - cum_j) is 1
+    whatever g: CUMB_i is a copy of that token's cum."""
+    blk_r = aux_row(auxn_AC, BLK)
+    C = blk_r.shape[1]
+    s_i = jnp.sum(jnp.where(blk_r < row_to_col(blk_r), 1.0, 0.0), axis=1, keepdims=True)
+    return iota2d((C, C), 1).astype(f32) == s_i - 1.0
+
+
 def readout_matrix(qn_CK, k_CK, aux_AC, auxn_AC, *, scale: float, mm: MatmulPolicy) -> jax.Array:
     """Mn [C, C] = ((qn s) k^T) * En: how each noisy row's block-start state reads the chunk's deltas."""
     return mm.dot(qn_CK.astype(f32) * scale, k_CK.astype(f32), DIMS_NT) * readout_decay(aux_AC, auxn_AC)
@@ -91,7 +101,10 @@ def noisy_tile_backward(qn_RK, kn_RK, vn_RW, auxn_AR, S_KW, dOn_RW, *, scale: fl
     dQK = dMn * En
     dqn = dqn + scale * mm.dot(dQK, k_CK.astype(f32))
     dk = mm.dot(dQK, qs, DIMS_TN)
-    F = dQK * QK                                                # dEn * En: En = exp(CUMB_i - cum_j)
+    # dEn * En (En = exp(CUMB_i - cum_j)), without the token before the block start: its exponent is
+    # exactly 0 (CUMB_i copies its cum), so its +F (CUMB) / -F (cum) pair would cancel only to fp32
+    # round-off, a residue the in-chunk cumsum's backward spreads over the chunk (see phase_math).
+    F = jnp.where(before_block_start(auxn_AR), 0.0, dQK * QK)
     dauxn = dauxn + jnp.where(rows == CUMB, col_to_row(jnp.sum(F, axis=1, keepdims=True)), 0.0)
     C = k_CK.shape[0]
     daux = jnp.where(iota2d((AUX_WIDTH, C), 0) == CUM, -jnp.sum(F, axis=0, keepdims=True), 0.0)

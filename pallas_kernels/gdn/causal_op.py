@@ -44,7 +44,7 @@ from ..common import sharding
 from .kernel_bodies import KernelConfig
 from .tpu_calls import intra_call, parallel_backward_call, state_backward_call, sweep_call
 from .inputs import check_inputs, reset_flags
-from .reference import masked_exp, segmented_cumsum
+from .reference import decay_to_last, masked_exp, segmented_cumsum
 
 f32 = jnp.float32
 INTERPRET_FORMS = ("tpu", "gpu")
@@ -81,7 +81,7 @@ def prepare(q, k, v, g, beta, initial_state, segment_ids, C: int):
     rows = [None] * cm.AUX_WIDTH
     rows[cm.CUM], rows[cm.BETA] = cum_BHNC, beta_BHNC
     rows[cm.EIN] = masked_exp(cum_BHNC, from_prev_B1NC)
-    rows[cm.EOUT] = masked_exp(cum_BHNC[..., -1:] - cum_BHNC, to_last_B1NC)
+    rows[cm.EOUT] = decay_to_last(cum_BHNC, to_last_B1NC)
     rows[cm.SDEC] = jnp.broadcast_to(masked_exp(cum_BHNC[..., -1], keep_prev_B1N)[..., None], (B, H, N, C))
     rows[cm.RUN] = jnp.broadcast_to(lax.stop_gradient(run_BNC.astype(f32))[:, None], (B, H, N, C))
     zeros = jnp.zeros_like(cum_BHNC)

@@ -58,6 +58,17 @@ def masked_exp(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
+def decay_to_last(cum: jax.Array, mask: jax.Array) -> jax.Array:
+    """masked_exp(cum[..., -1:] - cum, mask): each token's decay to the end of its chunk.
+
+    The last token's exponent is the constant 0, not cum_last - cum_last: both forms are exactly 0
+    forward, but autodiff of the difference adds +d and -d to the last cum (cancelling only to fp32
+    round-off), and the in-chunk cumsum's backward hands that residue to every token of the chunk.
+    """
+    last = jnp.arange(cum.shape[-1]) == cum.shape[-1] - 1
+    return masked_exp(jnp.where(last, 0.0, cum[..., -1:] - cum), mask)
+
+
 @jax.custom_vjp
 def unit_lower_inverse(A_XCC: jax.Array) -> jax.Array:
     """``(I + A)^-1`` for the strictly-lower part of ``A`` [..., C, C] (entries on/above the
@@ -256,6 +267,8 @@ def chunk_gated_delta_rule_ref(
     else:
         cum_NXC = segmented_cumsum(g_NXC, per_row(jnp.moveaxis(reset_BT.reshape(B, N, C), 1, 0)))
     diff_T_NXCC = cum_NXC[..., None, :] - cum_NXC[..., :, None]              # [j, i] = cum_i - cum_j
+    # the diagonal's exponent as the constant 0 (E_ii = 1 whatever g): see decay_to_last
+    diff_T_NXCC = jnp.where(jnp.eye(C, dtype=bool), 0.0, diff_T_NXCC)
     decay_attn_T_NXCC = masked_exp(diff_T_NXCC, same_doc_NXCC & causal_T_CC)  # same_doc is symmetric
     decay_ut_T_NXCC = jnp.where(strict_T_CC, decay_attn_T_NXCC, 0.0)         # same exponentials, diagonal off
 
@@ -270,7 +283,7 @@ def chunk_gated_delta_rule_ref(
     w_NXKC = tn(k_NXCK * (beta_NXC * decay_in_NXC)[..., None], T_T_NXCC)      # (T beta k decay_in)^T; d = u - w S0
     q_dec_NXKC = q_NXKC * decay_in_NXC[..., None, :]
     cum_last_NX1 = cum_NXC[..., -1:]
-    k_dec_NXCK = k_NXCK * masked_exp(cum_last_NX1 - cum_NXC, to_last_NXC)[..., None]
+    k_dec_NXCK = k_NXCK * decay_to_last(cum_NXC, to_last_NXC)[..., None]
     state_decay_NX = masked_exp(cum_last_NX1[..., 0], keep_prev_NX)
     wq_NXKC2 = jnp.concatenate([w_NXKC, q_dec_NXKC], axis=-1)                 # both read the state S
 

@@ -5,8 +5,10 @@ The script runs once, unattended, on a lent GPU with minutes of budget; this run
 part a is the script's own comparison of the recipe's loss and gradients, kernels (Pallas GDN + flash
 attention) vs the XLA reference path. Measured in --smoke (2 CPU cores): loss 8.6e-8, global gradient
 norm 4.9e-8, gradient L2 2.4e-7 relative; every leaf within 1e-6 (L2, relative) except the GDN gate's
-parameters (dt_bias 3.0e-4, A_log 2.8e-4, in_proj_a 1.6e-5), whose gradients are sums over tokens of
-dg of both signs: bounds BELOW for those at ~10x the measurement, for the rest at 1e-5.
+parameters (dt_bias 9.1e-6, A_log 6.9e-6, in_proj_a 8.4e-7), whose gradients are cancelling sums over
+tokens of dg, where the fast-decay heads' tiny dg carries the chunked form's round-off (against a
+float64 oracle: tests/kernels/gdn/test_grad_f64.py): bounds BELOW for those at ~10x the measurement,
+for the rest at 1e-5.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ gpu_check = bench_module("gpu_check")
 
 GATE_LEAVES = ("gdn.dt_bias", "gdn.A_log", "gdn.in_proj_a.kernel")
 FP32_REL = 1e-5  # every agreement number but the gate leaves (measured <= 1e-6)
-GATE_REL = 3e-3  # the gate leaves (measured <= 3.0e-4)
+GATE_REL = 1e-4  # the gate leaves (measured <= 9.1e-6)
 
 
 def test_smoke_runs_every_part_and_the_kernels_match_the_reference(tmp_path):
