@@ -49,7 +49,7 @@ from sft.noise import NoiseConfig
 from sft.task_vocab import VocabSubsetConfig
 from train.config import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainConfig, TrainerConfig
 
-__all__ = ["DATA_README", "RESUME_MUST_MATCH", "EvalConfig", "ExportConfig", "ModelSpec", "SFTConfig", "check_data_root",
+__all__ = ["DATA_README", "RESUME_MUST_MATCH", "DecodeEvalConfig", "EvalConfig", "ExportConfig", "ModelSpec", "SFTConfig", "check_data_root",
            "load_sft_config", "model_config_from"]
 
 #: `datasets` builders that read local files: their `hf.data_files` resolve against data_root
@@ -88,16 +88,48 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class DecodeEvalConfig:
+    """Block decoding of held-out prompts during training (`sft.decode_eval`), every `every` steps
+    (0: off; a multiple of `train.eval_every`, since it runs at eval steps: none with
+    `train.eval_every` 0). The prompts: the first
+    `prompts` chat records of the eval split that offer tools and have an assistant turn, or of
+    `prompts_file` (JSONL chat records; records without an assistant turn are skipped). Decoded in
+    threshold mode at `block_size` (None: the model's first block size) and `threshold`, and AR
+    greedy as the baseline, each up to `max_new_tokens` tokens, in one fixed-shape batch (compiled
+    once per run). Logged as ``decode/<metric>``."""
+
+    every: int = 0
+    prompts: int = 4
+    block_size: int | None = None
+    threshold: float = 0.95  # clover_jax.decoding.generator.DecodeConfig's default
+    max_new_tokens: int = 64
+    prompts_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"eval.decode.every must be >= 0 (0: off), got {self.every}")
+        if self.prompts < 1:
+            raise ConfigError(f"eval.decode.prompts must be >= 1, got {self.prompts}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError(f"eval.decode.block_size must be >= 1 or null, got {self.block_size}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"eval.decode.threshold must be in [0, 1], got {self.threshold}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"eval.decode.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """Held-out eval every `train.eval_every` steps: masked-token CE/accuracy with every block at
     each fixed noise level of `t_values` (one copy: no complement, which would be at 1 - t), over at
     most `max_batches` batches of the eval split (kept in memory); at `block_size` (None: the
     model's first block size). Logged as ``eval/ce_t<t>``, ``eval/acc_t<t>``; ``eval/loss`` is the
-    mean CE over the levels."""
+    mean CE over the levels. `decode`: decode quality of held-out prompts (`DecodeEvalConfig`)."""
 
     t_values: tuple[float, ...] = (0.25, 0.5, 0.75)
     max_batches: int = 4
     block_size: int | None = None
+    decode: DecodeEvalConfig = field(default_factory=DecodeEvalConfig)
 
     def __post_init__(self) -> None:
         if not self.t_values or any(not 0.0 < t <= 1.0 for t in self.t_values):
@@ -153,6 +185,10 @@ class SFTConfig:
             raise ConfigError("loss.normalization: token with loss.weighting: inverse_t is the ELBO only with "
                               "noise.complementary: true (it divides by the random masked count); use "
                               "loss.normalization: batch, or turn noise.complementary on")
+        every, eval_every = self.eval.decode.every, self.train.eval_every
+        if every and eval_every and every % eval_every:  # train.eval_every 0: no evals, so no decode evals
+            raise ConfigError(f"eval.decode.every {every} must be a multiple of train.eval_every {eval_every} "
+                              "(decode evals run at eval steps)")
 
     @property
     def checkpoint_dir(self) -> str:

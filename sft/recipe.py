@@ -15,9 +15,11 @@ Flow of `run_sft(cfg)`:
    of the lowering with the layers unrolled (`SFTSetup.step_flops`);
 6. `train.loop.run`: resume from `checkpoint.dir` when it holds a checkpoint (then the initial
    weights are never read), eval every `train.eval_every` steps on the held-out split at fixed noise
-   levels, periodic / final / SIGTERM checkpoints, metrics.jsonl + console + wandb;
+   levels (and block decoding of held-out prompts: `eval.decode`, `sft.decode_eval`), periodic /
+   final / SIGTERM checkpoints, metrics.jsonl + console + wandb;
 7. at the end: the HF export (`sft.export`; `export.dir`, default ``<run_dir>/hf_export``), a loss summary (first vs last 100 logged steps, train
-   and held-out) in ``<run_dir>/summary.json`` and a loss plot ``<run_dir>/loss.png``.
+   and held-out) in ``<run_dir>/summary.json`` and a loss plot ``<run_dir>/loss.png`` (with decode
+   evals also ``decode.png``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from clover_jax.model.clover_model import abstract_model, check_block_aligned, c
 from clover_jax.yaml_config import ConfigError, to_tree
 from sft.config import RESUME_MUST_MATCH, ModelSpec, SFTConfig, check_data_root, model_config_from
 from sft.data import SFTData, block_align_for
+from sft.decode_eval import decode_line, decode_summary, plot_decode, with_decode_eval
 from sft.init_params import init_state, load_params  # noqa: F401  (load_params: re-exported)
 from sft.loss import make_sft_loss
 from sft.noise import draw_block_size
@@ -516,7 +519,7 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
         steps = BlockSizeSteps(setup, abstract_batch)
         flops = setup.step_flops(setup.block_sizes[0], abstract_batch) if cfg.count_flops else None
         steps.compiled(setup.block_sizes[0])
-        eval_fn = make_eval_fn(setup)
+        eval_fn = with_decode_eval(setup, make_eval_fn(setup))  # + eval.decode (sft.decode_eval)
         shard = (jax.process_index(), jax.process_count())
 
         def batches(data_state: dict[str, Any] | None) -> _DeviceBatches:
@@ -539,9 +542,11 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
     summary = loss_summary(mpath) if mpath.exists() else {}
     summary.update(wall_s=time.perf_counter() - t_start, steps=res.step, preempted=res.preempted,
                    resumed_from=res.resumed_from, flops_per_step=flops, peak_flops=peak, nonfinite_step=res.nonfinite_step)
+    summary.update(decode_summary(mpath) if mpath.exists() else {})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if mpath.exists():
         plot_losses(mpath, run_dir / "loss.png")
+        plot_decode(mpath, run_dir / "decode.png")  # only with decode evals
     if "train_loss_first" in summary:
         w = summary["window_steps"]
         line = (f"train loss, mean of the first {w} vs last {w} steps: {summary['train_loss_first']:.4f} -> "
@@ -550,6 +555,8 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
             line += (f"; held-out masked CE (evals in those windows): {summary['eval_loss_first']:.4f} -> "
                      f"{summary['eval_loss_last']:.4f}")
         print_fn(line)
+    if decode_line(summary):
+        print_fn(decode_line(summary))
     print_fn(f"run dir {run_dir} (metrics.jsonl, summary.json, loss.png); wall {summary['wall_s']:.0f} s")
     remote_outputs.publish(export=export_dir is not None, print_fn=print_fn)
     return SFTResult(step=res.step, preempted=res.preempted, resumed_from=res.resumed_from, export_dir=export_dir,

@@ -7,7 +7,7 @@ the previous record (scalars) plus throughput over the same wall-clock window:
     {"step", "loss", "tokens_per_s", "steps_per_s", "elapsed_s", "eta_s", "lr", "grad_norm",
      <every other scalar metric>, "mfu" (with flops_per_step and peak_flops),
      <array metrics as lists>, "<name>.max_min_ratio", "<name>.frac_zero" (array metrics),
-     "eval/<metric>" (on eval steps)}
+     "eval/<metric>" (on eval steps; a namespaced eval metric, e.g. "decode/<metric>", as is)}
 
 Array metrics (per-expert loads [L, E]) are summarised per layer over the last axis: the worst
 layer's max/min ratio (min clamped to 1, so an empty expert gives the max load) and the fraction
@@ -60,7 +60,7 @@ def _fmt_duration(s: float | None) -> str:
 
 def _accuracy_key(record: Mapping[str, Any]) -> str | None:
     for k in record:
-        if "acc" in k and not k.startswith("eval/") and isinstance(record[k], float):
+        if "acc" in k and not k.startswith(("eval/", "decode/")) and isinstance(record[k], float):
             return k
     return None
 
@@ -205,7 +205,8 @@ class MetricsLogger:
             rec["mfu"] = self.flops_per_step * rec["steps_per_s"] / self.peak_flops
         for k, v in (eval_metrics or {}).items():
             v = np.asarray(v)
-            rec[f"eval/{k}"] = float(v) if v.ndim == 0 else v.tolist()
+            # a namespaced name (``decode/validity``) is logged as is, the others as ``eval/<name>``
+            rec[k if "/" in k else f"eval/{k}"] = float(v) if v.ndim == 0 else v.tolist()
         self._write(rec)
         return rec
 
@@ -237,7 +238,7 @@ class MetricsLogger:
         if "mfu" in rec:
             cols.append(("mfu", f"{100 * rec['mfu']:.1f}%", 7))
         cols.append(("eta", _fmt_duration(rec["eta_s"]), 9))
-        extras = [f"{k}={rec[k]:.4g}" for k in rec if k.startswith("eval/") and isinstance(rec[k], float)]
+        extras = [f"{k}={rec[k]:.4g}" for k in rec if k.startswith(("eval/", "decode/")) and isinstance(rec[k], float)]
         for k in rec:
             if k.endswith(".max_min_ratio"):
                 base = k[: -len(".max_min_ratio")]
