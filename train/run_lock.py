@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from clover_jax.bridge.staged_dir import pid_alive
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".run.lock"
@@ -44,24 +46,6 @@ _HELD: dict[str, tuple[Any, str, int]] = {}
 
 class RunLockError(RuntimeError):
     """Another run holds the directory (or its lock cannot be judged); the message is one line."""
-
-
-def _pid_alive(pid: int) -> bool:
-    """A live, non-zombie process with this PID on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("State:"):
-                    return "Z" not in line.split()[1]
-    except OSError:
-        pass
-    return True
 
 
 def _read(path: Any) -> dict[str, Any] | None:
@@ -126,7 +110,7 @@ def _acquire_one(directory: str | os.PathLike, message: Callable[[str], None]) -
         hint = f"if no run uses {directory} any more, delete {path}"
         if info is None or info.get("host") != host or not isinstance(info.get("pid"), int):
             raise RunLockError(f"{directory} is in use by {_holder(info)}: one run per directory; {hint}")
-        if _pid_alive(info["pid"]):
+        if pid_alive(info["pid"]):
             raise RunLockError(f"{directory} is in use by {_holder(info)}: one run per directory "
                                f"(wait for it, stop it, or point logging.run_dir / checkpoint.dir elsewhere)")
         # stale: its process is gone. Rename it away first (atomic: one taker wins), then create.

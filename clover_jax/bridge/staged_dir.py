@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["clean_stale_partials", "staged_dir", "swap_into_place"]
+__all__ = ["clean_stale_partials", "pid_alive", "staged_dir", "swap_into_place"]
 
 
 def _host() -> str:
@@ -31,13 +31,21 @@ def _host() -> str:
     return socket.gethostname().replace("-", "_") or "host"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """A live, non-zombie process with this PID on this host (also `train.run_lock`'s stale-lock test)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # someone else's live process
+        return True  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return "Z" not in line.split()[1]
+    except OSError:
+        pass
     return True
 
 
@@ -52,7 +60,7 @@ def clean_stale_partials(out: Path) -> list[Path]:
         if not p.name.startswith(prefix):
             continue
         pid = p.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
