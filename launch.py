@@ -99,6 +99,7 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
     from clover_jax.model.clover_model import abstract_model
     from clover_jax.yaml_config import ConfigError, apply_overrides, from_tree
     from sft.config import load_sft_config, model_config_from
+    from sft.lora import optimizer_config, train_model_config
     from sft.recipe import SFTSetup, sharded_abstract_state
     from clover_jax.model.kernel_costs import step_kernel_cost
     from clover_jax.parallel.remat import resolve as resolve_remat
@@ -121,7 +122,7 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
     if base is None and init is not None:
         print(f"note: model.init_from {init} is not an HF dir here: using "
               f"{cfg.model.preset or 'the Qwen3.6-35B-A3B defaults'} for the architecture", flush=True)
-    mcfg = model_config_from(cfg.model, base).replace(param_dtype=cfg.train.param_dtype)
+    mcfg = train_model_config(cfg, model_config_from(cfg.model, base))
     mcfg = tpu_kernels(mcfg)  # the TPU kernels ("auto" means the jnp reference on this CPU host)
     if mcfg.mask_token_id is None:
         mcfg = mcfg.replace(mask_token_id=min(QWEN_TOKENIZER_SIZE, mcfg.vocab_size - 1))
@@ -132,7 +133,7 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
     policy = ctree.get("remat") or mcfg.remat  # compile.remat=... overrides the recipe's model.remat
     model = abstract_model(mcfg)
     graphdef, _ = nnx.split(model)
-    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
+    optimizer = build_optimizer(optimizer_config(cfg), cfg.train.steps)
     plans = []
     for topo_name in topologies or [ccfg.topology]:
         print(f"compiling the SFT train step of {path} for {topo_name} ({rows} rows x {t} tokens, {mb} "

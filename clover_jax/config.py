@@ -101,6 +101,10 @@ class ModelConfig:
     # trained with every assistant response starting on the block grid (data.align_responses: block):
     # the alignment in tokens, 0 = not; the decoder then pads each prompt to a multiple of it
     response_block_align: int = 0
+    # LoRA adapters (clover_jax.model.lora): rank 0 = none; targets are regexes over base weight paths
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()  # empty: clover_jax.model.lora.DEFAULT_TARGETS
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -130,6 +134,11 @@ class ModelConfig:
         if c is not None and not self.num_experts_per_tok <= c <= self.num_experts:
             raise ModelConfigError(f"moe_block_coreset {c} must be null or in [num_experts_per_tok="
                                    f"{self.num_experts_per_tok}, num_experts={self.num_experts}]")
+        if self.lora_rank < 0:
+            raise ModelConfigError(f"lora_rank must be >= 0 (0: no adapters), got {self.lora_rank}")
+        if self.lora_rank and self.lora_alpha <= 0:
+            raise ModelConfigError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if self.response_block_align < 0:
             raise ModelConfigError(f"response_block_align must be >= 0, got {self.response_block_align}")
         sizes = self.block_size if isinstance(self.block_size, tuple) else (self.block_size,)

@@ -13,6 +13,7 @@ bad types fail naming the key):
     eval:       EvalConfig (held-out masked-token loss at fixed noise levels)
     train, optimizer, checkpoint, logging:     the train.config sections
     export:     ExportConfig (HF export at the end)
+    lora:       sft.lora.LoraConfig (low-rank adapters instead of full fine-tuning; rank 0: off)
     vocab_subset: sft.task_vocab.VocabSubsetConfig (a task-restricted vocabulary for tiny research
                 models: the data tokenizer cut to the corpus's tokens, random init only)
     mesh:       clover_jax.parallel.sharding.MeshConfig; devices: use only the first N devices (tests)
@@ -44,6 +45,7 @@ from clover_jax.config import ModelConfig, ModelConfigError, get_preset
 from clover_jax.parallel.sharding import MeshConfig
 from clover_jax.yaml_config import ConfigError, apply_overrides, deep_merge, from_tree, load_yaml_tree, to_tree
 from sft.data.config import DataConfig
+from sft.lora import LoraConfig
 from sft.loss import LossConfig
 from sft.noise import NoiseConfig
 from sft.task_vocab import VocabSubsetConfig
@@ -62,7 +64,7 @@ _SPEC_KEYS = ("init_from", "preset", "generate_missing", "seed")
 
 #: what a resumed checkpoint's stored config must equal (the same experiment: `train.config_diff`);
 #: train.steps, logging, checkpoint cadence, export, eval, mesh may change (`train.resume: force`: all)
-RESUME_MUST_MATCH = ("model", "data", "optimizer", "noise", "loss", "vocab_subset", "train.micro_batches",
+RESUME_MUST_MATCH = ("model", "data", "optimizer", "noise", "loss", "vocab_subset", "lora", "train.micro_batches",
                      "train.seed")
 
 
@@ -170,6 +172,7 @@ class SFTConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     vocab_subset: VocabSubsetConfig = field(default_factory=VocabSubsetConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     devices: int | None = None

@@ -83,6 +83,11 @@ def export_params(cfg: SFTConfig, model_cfg: ModelConfig, tok_dir: Path | None, 
     out = Path(out if out is not None else cfg.export_dir)
     replace = check_export_target(cfg, out) if overwrite is None else overwrite
     host = jax.device_get(params)
+    if model_cfg.lora_rank:  # the adapters merged into the weights: a plain checkpoint of the tuned model
+        from clover_jax.model.lora import base_config, merge_adapters
+
+        host = jax.device_get(merge_adapters(host, model_cfg.lora_rank, model_cfg.lora_alpha))
+        model_cfg = base_config(model_cfg)
     model = model_from_params(model_cfg.replace(param_dtype="float32", dtype="float32"), host)
     kw = {"format": ec.format, "clover_naming": ec.clover_naming, **{k: v for k, v in write_kw.items() if v is not None}}
     provenance = {"run_dir": run_identity(cfg), "checkpoint_dir": _absolute(cfg.checkpoint_dir),

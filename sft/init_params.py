@@ -37,6 +37,8 @@ from clover_jax.model.clover_model import (abstract_model, create_model, model_f
 from clover_jax.model.params import flatten, global_param_shapes, layer_param_shapes, stack_layers, unflatten
 from clover_jax.parallel import sharding as sh
 from clover_jax.yaml_config import ConfigError, to_tree
+from clover_jax.model import lora
+from sft.lora import frozen_dtype
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +84,19 @@ def _hf_runtime(mcfg: ModelConfig) -> dict[str, Any]:
     return {**tree, "dtype": name, "param_dtype": name}
 
 
+def _adapter_key(seed: int) -> jax.Array:
+    # the adapters of a run that starts from a checkpoint: `model.seed`, apart from other draws
+    return jax.random.fold_in(jax.random.key(seed), 0x10AA)
+
+
 def load_params(kind: str, path: Path | None, mcfg: ModelConfig, seed: int) -> dict[str, Any]:
     """Initial params (stacked pure dict, host or default device) in `mcfg.param_dtype`: the whole
-    tree in memory. The random init's path; for checkpoints the reference `stream_params` equals."""
+    tree in memory. The random init's path; for checkpoints the reference `stream_params` equals.
+    With LoRA (`mcfg.lora_rank`) a checkpoint's params gain fresh adapters (`lora.init_adapters`)."""
+    if kind != "random" and mcfg.lora_rank:
+        base = flatten(load_params(kind, path, lora.base_config(mcfg), seed))
+        shapes = {k: tuple(v.shape) for k, v in flatten(model_to_params(abstract_model(mcfg))).items()}
+        return unflatten({**base, **lora.init_adapters(shapes, _adapter_key(seed))})
     if kind == "random":
         return model_to_params(create_model(mcfg, seed))
     if kind == "hf":
@@ -108,7 +120,8 @@ def init_state_host(setup: Any) -> Any:
 
     params = jax.device_get(load_params(setup.kind, setup.init_path, setup.model_cfg, setup.cfg.model.seed))
     return init_train_state(params, setup.optimizer, seed=setup.cfg.train.seed,
-                            master_dtype=setup.cfg.train.param_dtype, out_shardings=setup.state_shardings)
+                            master_dtype=setup.cfg.train.param_dtype, frozen_dtype=frozen_dtype(setup.model_cfg),
+                            out_shardings=setup.state_shardings)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,7 +245,7 @@ def param_targets(mcfg: ModelConfig, shardings: Any) -> Flat:
             for k, a in flatten(model_to_params(abstract_model(mcfg))).items()}
 
 
-def stream_params(kind: str, path: Path, mcfg: ModelConfig, shardings: Any) -> Any:
+def stream_params(kind: str, path: Path, mcfg: ModelConfig, shardings: Any, seed: int = 0) -> Any:
     """The stacked params of the HF dir (``kind="hf"``) or Orbax params checkpoint (``"orbax"``) at
     `path` as global arrays in `shardings` (a pure dict like `model_to_params`, e.g.
     `SFTSetup.param_shardings`), read one global tensor / one layer at a time (module docstring).
@@ -240,6 +253,15 @@ def stream_params(kind: str, path: Path, mcfg: ModelConfig, shardings: Any) -> A
     from clover_jax.bridge.params_checkpoint import bounded_host_memory, release_host_memory
     from train.optimizer import path_str
 
+    if mcfg.lora_rank:  # the base model streamed in, then fresh adapters made in their shardings
+        flat_sh = flatten(shardings)
+        base = stream_params(kind, path, lora.base_config(mcfg),
+                             unflatten({k: v for k, v in flat_sh.items() if not lora.is_adapter(k)}))
+        shapes = {k: t.shape for k, t in param_targets(mcfg, shardings).items()}
+        adapter_sh = {k: v for k, v in flat_sh.items() if lora.is_adapter(k)}
+        adapters = jax.jit(lambda: lora.init_adapters(shapes, _adapter_key(seed)), out_shardings=adapter_sh)()
+        every = {**flatten(base), **adapters}
+        return jax.tree_util.tree_map_with_path(lambda kp, _: every[path_str(kp)], shardings)
     targets = param_targets(mcfg, shardings)
     src = _HFSource(path, mcfg) if kind == "hf" else _OrbaxSource(path, mcfg)
     p = mcfg.group_size
@@ -281,7 +303,8 @@ def init_state(setup: Any) -> Any:
 
     if setup.kind == "random":
         return init_state_host(setup)
-    params = stream_params(setup.kind, setup.init_path, setup.model_cfg, setup.param_shardings)
+    params = stream_params(setup.kind, setup.init_path, setup.model_cfg, setup.param_shardings, setup.cfg.model.seed)
     return init_train_state(params, setup.optimizer, seed=setup.cfg.train.seed,
-                            master_dtype=setup.cfg.train.param_dtype, out_shardings=setup.state_shardings,
+                            master_dtype=setup.cfg.train.param_dtype, frozen_dtype=frozen_dtype(setup.model_cfg),
+                            out_shardings=setup.state_shardings,
                             donate=True)

@@ -49,6 +49,7 @@ from sft.config import RESUME_MUST_MATCH, ModelSpec, SFTConfig, check_data_root,
 from sft.data import SFTData, block_align_for
 from sft.decode_eval import decode_line, decode_summary, plot_decode, with_decode_eval
 from sft.init_params import init_state, load_params  # noqa: F401  (load_params: re-exported)
+from sft.lora import describe, frozen_dtype, optimizer_config, train_model_config
 from sft.loss import make_sft_loss
 from sft.noise import draw_block_size
 from sft.summary import loss_summary, plot_losses
@@ -256,7 +257,8 @@ def sharded_abstract_state(model: nnx.Module, optimizer: Any, mesh: Mesh, train_
     abstract_params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                    model_to_params(model), p_sh)
     abstract_state = jax.eval_shape(lambda p: init_train_state(p, optimizer, seed=train_cfg.seed,
-                                                               master_dtype=train_cfg.param_dtype), abstract_params)
+                                                               master_dtype=train_cfg.param_dtype,
+                                                               frozen_dtype=frozen_dtype(model.cfg)), abstract_params)
     replicated = NamedSharding(mesh, P())
     state_sh = type(abstract_state)(
         params=p_sh, opt_state=sh.opt_state_shardings(abstract_state.opt_state, p_sh, mesh),
@@ -297,7 +299,7 @@ def run_model_config(cfg: SFTConfig, ck_cfg: ModelConfig | None, tok_dir: Path |
     export from a training checkpoint reads it), the mask token, the response alignment. Shared by
     `prepare` and `sft.train_checkpoint`, so a training checkpoint rebuilds the very config it was
     trained with. Reads no weights and no data (unless `build_vocab` builds the task vocabulary)."""
-    mcfg = model_config_from(cfg.model, ck_cfg).replace(param_dtype=cfg.train.param_dtype)
+    mcfg = train_model_config(cfg, model_config_from(cfg.model, ck_cfg))
     if cfg.vocab_subset.enabled:
         from sft.task_vocab import build_task_vocab, subset_model_ids
 
@@ -333,7 +335,7 @@ def prepare(cfg: SFTConfig) -> SFTSetup:
         raise ConfigError(str(e)) from None
     model = abstract_model(mcfg)
     graphdef, _ = nnx.split(model)
-    optimizer = build_optimizer(cfg.optimizer, cfg.train.steps)
+    optimizer = build_optimizer(optimizer_config(cfg), cfg.train.steps)
     p_sh, state_sh, abstract_state = sharded_abstract_state(model, optimizer, mesh, cfg.train)
     return SFTSetup(cfg=cfg, model_cfg=mcfg, kind=kind, init_path=path, tok_dir=tok_dir, data=data, mesh=mesh,
                     graphdef=graphdef, optimizer=optimizer, param_shardings=p_sh, state_shardings=state_sh,
@@ -349,10 +351,10 @@ def bare_setup(cfg: SFTConfig, kind: str, path: str | Path, devices: list[Any] |
     from train.optimizer import build_optimizer
 
     base = ModelConfig.from_hf_file(Path(path)) if kind == "hf" else read_params_info(path)[0]
-    mcfg = model_config_from(cfg.model, base).replace(param_dtype=cfg.train.param_dtype)
+    mcfg = train_model_config(cfg, model_config_from(cfg.model, base))
     mesh = sh.make_mesh(cfg.mesh, list(devices or jax.devices()))
     model = abstract_model(mcfg)
-    opt = build_optimizer(cfg.optimizer, cfg.train.steps)
+    opt = build_optimizer(optimizer_config(cfg), cfg.train.steps)
     p_sh, state_sh, abstract_state = sharded_abstract_state(model, opt, mesh, cfg.train)
     return SFTSetup(cfg=cfg, model_cfg=mcfg, kind=kind, init_path=Path(path), tok_dir=None, data=None, mesh=mesh,
                     graphdef=None, optimizer=opt, param_shardings=p_sh, state_shardings=state_sh,
@@ -509,6 +511,8 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
     rows = cfg.data.batch_size
     print_fn(f"batch: {rows} packed rows x {cfg.data.seq_len} tokens per step (x{cfg.noise.copies} noisy copies "
              f"in the model), {cfg.train.micro_batches} micro-batch(es); {cfg.train.steps} steps")
+    if cfg.lora.enabled:
+        print_fn(describe(setup.abstract_state.params, setup.optimizer))
     abstract_batch = {k: jax.ShapeDtypeStruct((rows, cfg.data.seq_len), dt,
                                               sharding=sh.batch_sharding(setup.mesh, shape=(rows, cfg.data.seq_len)))
                       for k, dt in (("input_ids", jnp.int32), ("segment_ids", jnp.int32), ("positions", jnp.int32),

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from train.optimizer import Optimizer, path_str
 
 #: Params that the model keeps in fp32 whatever the master dtype (its own numerics need them).
-FP32_ONLY_PATTERNS: tuple[str, ...] = (r"A_log$", r"dt_bias$", r"bd_gdn_softmax_scalars$")
+FP32_ONLY_PATTERNS: tuple[str, ...] = (r"A_log$", r"dt_bias$", r"bd_gdn_softmax_scalars$", r"lora_[ab]$")
 
 
 @jax.tree_util.register_dataclass
@@ -34,21 +34,26 @@ class TrainState:
         return dataclasses.replace(self, **changes)
 
 
-def _cast_master(params: Any, master_dtype: jnp.dtype, keep_fp32: tuple[str, ...]) -> Any:
-    def cast(path: tuple[Any, ...], x: Any) -> jax.Array:
+def _cast_master(params: Any, master_dtype: jnp.dtype, keep_fp32: tuple[str, ...], frozen: Any = None,
+                 frozen_dtype: jnp.dtype | None = None) -> Any:
+    """`frozen` (params-shaped bools, True = frozen) with `frozen_dtype`: frozen leaves take that dtype."""
+    def cast(path: tuple[Any, ...], x: Any, is_frozen: bool = False) -> jax.Array:
         x = jnp.asarray(x)
         if not jnp.issubdtype(x.dtype, jnp.floating):
             return x
         if any(re.search(p, path_str(path)) for p in keep_fp32):
             return x.astype(jnp.float32)
-        return x.astype(master_dtype)
+        return x.astype(frozen_dtype if is_frozen and frozen_dtype is not None else master_dtype)
 
-    return jax.tree_util.tree_map_with_path(cast, params)
+    if frozen is None or frozen_dtype is None:
+        return jax.tree_util.tree_map_with_path(cast, params)
+    return jax.tree_util.tree_map_with_path(cast, params, frozen)
 
 
 def init_train_state(
     params: Any, optimizer: Optimizer, *, seed: int = 0, master_dtype: str | jnp.dtype = "float32",
     keep_fp32: tuple[str, ...] = FP32_ONLY_PATTERNS, out_shardings: Any = None, donate: bool = False,
+    frozen_dtype: str | jnp.dtype | None = None,
 ) -> TrainState:
     """A fresh state around an explicit params tree (random init or loaded HF weights).
 
@@ -58,11 +63,15 @@ def init_train_state(
     where the dtype already fits), and the train step donates them: keep host copies if you need them.
     `donate` (with `out_shardings`): `params` (global arrays) are donated, so a param already in its
     master dtype and sharding becomes the state's without a second copy on the devices.
+    `frozen_dtype`: the dtype of params the optimizer freezes (LoRA: the compute dtype; they never
+    update, so they need no higher-precision master); None: the master dtype like every param.
     """
     dtype = jnp.dtype(master_dtype)
+    fdt = None if frozen_dtype is None else jnp.dtype(frozen_dtype)
 
     def build(p: Any) -> TrainState:
-        p = _cast_master(p, dtype, keep_fp32)
+        frozen = None if fdt is None else jax.tree.map(lambda t: not t, optimizer.trainable_mask(p))
+        p = _cast_master(p, dtype, keep_fp32, frozen, fdt)
         return TrainState(
             params=p, opt_state=optimizer.init(p), step=jnp.zeros((), jnp.int32),
             rng=jax.random.key_data(jax.random.key(seed)),

@@ -16,6 +16,7 @@ from flax import nnx
 
 from clover_jax.model.attention import causal_segment_mask, noisy_query_mask, rope_tables, two_stream_masks
 from clover_jax.config import ModelConfig
+from clover_jax.model.lora import DEFAULT_TARGETS, add_adapters
 from clover_jax.model.layers import init_stack_cache, run_stack, stacked_group
 from clover_jax.model.nn import RMSNorm, dtype_of, make_param, normal
 from pallas_kernels.attention.ops import resolve_attn_backend
@@ -97,6 +98,8 @@ class CloverModel(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, rngs=rngs, axis_name="embed", param_dtype=pd)
         if not cfg.tie_word_embeddings:
             self.lm_head = _LMHead(cfg.hidden_size, cfg.vocab_size, rngs=rngs, param_dtype=pd)
+        if cfg.lora_rank:
+            add_adapters(self, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets or DEFAULT_TARGETS, rngs)
 
     # ------------------------------------------------------------------------------------------
     def _contexts(self, segment_ids_BT, positions_BT, q_slot_BT, k_slot_BS, k_seg_BS, ring_seg_BL, continues_B,
@@ -393,7 +396,7 @@ def model_to_params(model: CloverModel) -> Tree:
 
 
 #: Params that keep the model's own dtype (fp32) whatever `param_dtype` (their numerics need it).
-OWN_DTYPE_SUFFIXES = ("A_log", "dt_bias", "bd_gdn_softmax_scalars")
+OWN_DTYPE_SUFFIXES = ("A_log", "dt_bias", "bd_gdn_softmax_scalars", "lora_a", "lora_b")
 
 
 def param_dtype_of(cfg: ModelConfig, key: str, own: Any) -> Any:

@@ -42,6 +42,7 @@ from clover_jax.config import ModelConfig
 from clover_jax.model.moe_blocked import blocked_ffn
 from clover_jax.model.moe_capacity import capacity_ffn, experts_capacity
 from clover_jax.model import moe_coreset
+from clover_jax.model.lora import expert_weight
 from clover_jax.model.moe_platform import resolve_impl, tgmm_tiling
 from clover_jax.model.nn import Dense, dtype_of, make_param, normal
 from pallas_kernels.context.stream_layout import join_streams, split_streams
@@ -440,7 +441,7 @@ class MoE(nnx.Module):
         `ctx["valid"]` [B, T] excludes pad tokens from the load statistics (and from a block's
         coreset mass); `ctx["stream"]` and `ctx["moe"]` say where the block coreset applies."""
         b, t, d = x_BTD.shape
-        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        w = lambda name: expert_weight(self, name, self.dtype)  # noqa: E731  (LoRA merged, if any)
         used: dict[str, jax.Array] = {}  # the block step's coresets, filled while routing
         mesh_ctx = sharding.current()
         if mesh_ctx is not None and mesh_ctx.mesh.size > 1:
@@ -450,7 +451,7 @@ class MoE(nnx.Module):
             # per layer in the agent_long plans)
             x = x_BTD.astype(self.dtype)
             probs, weights, experts = route(self.router(x), self.top_k, self._allowed(ctx, used))
-            routed = experts_parallel(x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo), ctx=mesh_ctx,
+            routed = experts_parallel(x, weights, experts, w("wi_gate"), w("wi_up"), w("wo"), ctx=mesh_ctx,
                                       impl=self.impl, dispatch=self.dispatch)
             valid = ctx["valid"]
         else:
@@ -459,7 +460,7 @@ class MoE(nnx.Module):
             probs, weights, experts = route(self.router(x), self.top_k, self._allowed(ctx, used))
             x, probs, weights, experts = (a.reshape((b * t,) + a.shape[2:]) for a in (x, probs, weights, experts))
             impl = resolve_impl(self.impl, rows=experts.size, experts=self.wi_gate[...].shape[0])
-            routed = EXPERT_IMPLS[impl](x, weights, experts, w(self.wi_gate), w(self.wi_up), w(self.wo))
+            routed = EXPERT_IMPLS[impl](x, weights, experts, w("wi_gate"), w("wi_up"), w("wo"))
             valid = ctx["valid"].reshape(-1)
         shared = self.shared_down_proj(jax.nn.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
         gate = jax.nn.sigmoid(self.shared_gate(x).astype(jnp.float32))

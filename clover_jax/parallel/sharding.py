@@ -63,6 +63,7 @@ DEFAULT_RULES: Rules = (
     ("head_dim", ()),
     ("norm", ()),
     ("bd_scalar", ()),
+    ("lora_rank", ()),  # LoRA adapters' rank dim: small, replicated (their other dim follows the base weight)
 )
 
 
