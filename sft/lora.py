@@ -16,15 +16,12 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from clover_jax.config import ModelConfig
 from clover_jax.model.lora import ADAPTER_PATTERN, DEFAULT_TARGETS
 from clover_jax.yaml_config import ConfigError
 from train.config import OptimizerConfig
-
-if TYPE_CHECKING:
-    from sft.config import SFTConfig
 
 __all__ = ["DEFAULT_FULL_TRAINABLE", "LoraConfig", "describe", "frozen_dtype", "optimizer_config", "train_model_config"]
 
@@ -65,7 +62,7 @@ class LoraConfig:
         return self.rank > 0
 
 
-def train_model_config(cfg: "SFTConfig", mcfg: ModelConfig) -> ModelConfig:
+def train_model_config(cfg: Any, mcfg: ModelConfig) -> ModelConfig:
     """The model config a run trains: `mcfg` with the adapters of `cfg.lora` and its param dtype
     (`train.param_dtype`; with adapters the base is loaded in the compute dtype, `frozen_dtype`)."""
     lc = cfg.lora
@@ -81,7 +78,7 @@ def frozen_dtype(mcfg: ModelConfig) -> str | None:
     return mcfg.dtype if mcfg.lora_rank else None
 
 
-def optimizer_config(cfg: "SFTConfig") -> OptimizerConfig:
+def optimizer_config(cfg: Any) -> OptimizerConfig:
     """`cfg.optimizer`, with adapters: trainable = the adapters + `lora.full_trainable` (a recipe
     that also sets `optimizer.trainable` is refused: one place says what trains)."""
     oc = cfg.optimizer

@@ -81,8 +81,6 @@ def add_adapters(model: nnx.Module, rank: int, alpha: float, targets: tuple[str,
     """Attaches adapters to every targeted weight of `model` (in place). Returns the targeted base
     paths; raises ValueError if a target pattern matches no weight (a typo would silently train
     nothing there) or if nothing is targeted."""
-    from clover_jax.model.nn import Dense  # nn imports nothing of ours but sharding
-
     found: list[str] = []
     hit = {p: False for p in targets}
 
@@ -97,7 +95,7 @@ def add_adapters(model: nnx.Module, rank: int, alpha: float, targets: tuple[str,
     modules = [(tuple(str(k) for k in path), m) for path, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
     for path, module in modules:
         base = ".".join(prefix + path)
-        if isinstance(module, Dense):
+        if getattr(type(module), "takes_lora", False):  # a Dense (clover_jax.model.nn imports this module)
             if wanted(f"{base}.kernel"):
                 module.lora_a, module.lora_b = _adapter_params(module.kernel, rank, key, f"{base}.kernel")
                 module.lora_scale = scale_of(rank, alpha)

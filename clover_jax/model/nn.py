@@ -44,6 +44,8 @@ def make_param(
 class Dense(nnx.Module):
     """`y = x @ kernel` with kernel [in, out], no bias (no projection of this model has one)."""
 
+    takes_lora = True  # `clover_jax.model.lora.add_adapters` may attach lora_a / lora_b
+
     def __init__(
         self, d_in: int, d_out: int, axes: tuple[str | None, str | None], *, rngs: nnx.Rngs,
         param_dtype: jnp.dtype = jnp.float32, dtype: jnp.dtype = jnp.float32, init: Initializer | None = None,
