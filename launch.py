@@ -5,6 +5,7 @@
     demo      --config F [k=v ...]          tiny Qwen3.6-shaped HF -> Orbax -> HF round trip
     convert   --hf DIR --out DIR [--mode ar|block]                HF safetensors -> Orbax params checkpoint
     export    --checkpoint DIR --out DIR [--format qwen|clover]   Orbax (params or SFT training checkpoint) -> HF
+              [--adapters]: a LoRA run's training checkpoint -> a PEFT LoRA adapter dir
     compile   --config F --topology v5p-64 [k=v ...]   AOT-compile the train step for a TPU slice
               on this machine; per-chip memory vs HBM (exit 1 when it does not fit)
     generate  --checkpoint DIR (--prompt T | --prompts F.jsonl | --prompt-ids 1,2) [--out F.json] [decode.k=v]
@@ -54,11 +55,26 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from clover_jax.bridge.convert import export_orbax_to_hf
     from clover_jax.bridge.params_checkpoint import is_params_checkpoint
+    from clover_jax.bridge.safetensors_io import CheckpointError
+    from clover_jax.yaml_config import ConfigError
     from sft.train_checkpoint import export_training_checkpoint, training_step_dir
 
     t0 = time.perf_counter()
     kw = dict(format=args.format, expert_layout=args.expert_layout, prefix=args.prefix,
               max_shard_bytes=int(args.max_shard_gb * 10**9), clover_naming=args.clover_naming)
+    if args.adapters:  # a LoRA run's adapters as a PEFT adapter dir, not a checkpoint
+        from sft.train_checkpoint import export_training_adapter
+
+        given = [f for f, v in (("--format clover", args.format == "clover"), ("--expert-layout", args.expert_layout),
+                                ("--prefix", args.prefix)) if v]
+        if given:  # the adapter is for transformers' Qwen3.5-MoE: its names, no Clover tensors
+            raise ConfigError(f"--adapters writes a PEFT adapter for transformers' Qwen3.5-MoE: {given[0]} does not apply")
+        if is_params_checkpoint(args.checkpoint) or training_step_dir(args.checkpoint) is None:
+            raise CheckpointError(f"{args.checkpoint}: --adapters needs the training checkpoint of a LoRA run "
+                                  "(<run_dir>/checkpoints or one of its steps)")
+        out = export_training_adapter(args.checkpoint, args.out, overwrite=args.overwrite)
+        print(f"exported the PEFT LoRA adapter of {args.checkpoint} -> {out} in {time.perf_counter() - t0:.1f} s")
+        return 0
     if not is_params_checkpoint(args.checkpoint) and training_step_dir(args.checkpoint) is not None:
         # an SFT run's checkpoint: exported as the run's own export would be (its format and dtype)
         out = export_training_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite, **kw)
@@ -151,7 +167,7 @@ def _sft_compile_plans(path: str, overrides: list[str], topologies: list[str] | 
                          state_shardings=state_sh, abstract_state=state)
         # the TPU GDN kernels run dk, dv padded to whole 128-lane tiles (gdn.causal_op._padded_dims)
         flops = sft_step_flops(mcfg, rows=rows, seq_len=t, block_size=bk, copies=copies, remat=resolve_remat(policy),
-                               gdn_lanes=128, flash_backward=mcfg.attn_backend in ("splash", "flash"))
+                               gdn_lanes=128, flash_backward=mcfg.attn_backend in ("splash", "flash"), micro_batches=mb)
         plans.append(compile_plan(
             setup.make_step(bk), (state, batch), mesh=mesh, rules=sh.DEFAULT_RULES, remat_policy=policy,
             state_args=state, model=Path(path).stem, params=param_count(mcfg), topology=topo,
@@ -178,6 +194,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     for flag, out in (("--json", args.json), ("--hlo", args.hlo)):
         if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
             raise ConfigError(f"{flag} {out}: the folder {os.path.dirname(os.path.abspath(out))} does not exist")
+    if args.ce_share is not None and not 0.0 <= args.ce_share <= 1.0:
+        raise ConfigError(f"--ce-share {args.ce_share}: a share of the CE chunks, from 0 to 1")
     topologies = args.topology.split(",") if args.topology else None
     tree = load_yaml_tree(args.config) if args.config else {}
     if any(k in tree for k in SFT_SECTIONS):
@@ -194,6 +212,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(f"compiling the stand-in AR train step of {name} for {topo} (seq {ccfg.seq_len}, remat "
                   f"{ccfg.remat}) ...", flush=True)
             plans.append(plan(cfg.model, cfg.mesh, ccfg, model_name=name))
+    plans = [dataclasses.replace(p, breakdown=args.breakdown, ce_share=args.ce_share) for p in plans]
     failed = False
     for p in plans:
         try:
@@ -273,7 +292,10 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     if args.batches < 1 or args.show < 0:
         raise SystemExit(f"launch.py data: --batches must be >= 1 and --show >= 0 (got {args.batches}, {args.show})")
-    return run_data(load_sft_config(args.config, args.overrides), args.batches, args.show)
+    from train.aot import parse_topology
+
+    return run_data(load_sft_config(args.config, args.overrides), args.batches, args.show,
+                    chips=parse_topology(args.topology).chips)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -335,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, default=1, help="training batches to draw and measure (default 1)")
     p.add_argument("--show", type=int, default=0, metavar="K",
                    help="print the first K packed rows with the trained (loss-masked) spans highlighted")
+    p.add_argument("--topology", default="v5p-64", help="the slice whose chips split the CE positions, for the "
+                   "share of CE chunks holding loss tokens (default v5p-64)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data_root=/mnt/agent-data data.seq_len=4096")
     p.set_defaults(fn=cmd_data)
 
@@ -369,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the key prefix of the checkpoint's HF source")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard in GB (default 5)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out whole (default: refuse it)")
+    p.add_argument("--adapters", action="store_true", help="a LoRA run's training checkpoint -> its adapters as a "
+                   "PEFT LoRA adapter dir (adapter_config.json, adapter_model.safetensors) for transformers' "
+                   "Qwen3.5-MoE, instead of the merged checkpoint")
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("compile", help="AOT-compile the train step for a TPU topology; per-chip memory vs HBM")
@@ -379,6 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "to this JSON file")
     p.add_argument("--hlo", default=None, help="also write each plan's optimized HLO to "
                    "<HLO>_<topology>.hlo.txt.gz")
+    p.add_argument("--breakdown", action="store_true", help="also print the HBM bytes per category (MoE grouped "
+                   "matmuls, MoE other, GDN kernels / other, attention, CE, dense projections, norms / other, "
+                   "collectives, optimizer) from the HLO's source stack frames (the JSON holds them always)")
+    p.add_argument("--ce-share", type=float, default=None, metavar="S",
+                   help="share of the CE chunks that hold loss tokens (0..1; `launch.py data` estimates it for a "
+                   "recipe): also report the step's HBM bytes and roofline with only those chunks computed "
+                   "(the plan's own numbers count every chunk: an upper bound)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.seq_len=4096 mesh.expert=4 (an SFT recipe; "
                    "a plain run config: compile.seq_len=4096)")
     p.set_defaults(fn=cmd_compile)

@@ -16,7 +16,11 @@ the GPU sweeps at the launch table's dv tile):
   forward's transient states (its output phase reads them);
 - block mode at Clover's block 32 (both streams, fwd + bwd) with chunks of 64, two block-start
   readouts per chunk (TPU: inside the sweep; GPU: in the parallel output kernel). Sequential matmuls
-  are also given per 64 tokens on one program's critical path.
+  are also given per 64 tokens on one program's critical path;
+- the intra kernel's triangular inverse (I + A)^-1 of one C x C chunk matrix by each method of
+  ``chunk_math.INVERSES`` (the TPU form runs "doubling", the GPU form "blocked"): its matmuls and their
+  MACs, the dependent matmuls and the MACs along that chain, and the dependent cross-row reductions
+  (the blocked method's substitution steps on its 16 x 16 diagonal tiles).
 
     python bench/gdn_kernel_report.py [--out bench/results/gdn_kernel_report.json]
 """
@@ -34,8 +38,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.gdn import tpu_calls
 from pallas_kernels.gdn import gpu_calls
+from pallas_kernels.gdn import chunk_math as cm
 from pallas_kernels.gdn.chunk_math import AUX_WIDTH
-from pallas_kernels.gdn.kernel_bodies import BlockPlan, KernelConfig
+from pallas_kernels.gdn.kernel_bodies import FORM_INVERSE, BlockPlan, KernelConfig
 
 SEQUENTIAL = {"gdn_sweep", "gdn_state_bwd", "gdn_block_sweep", "gdn_block_state_bwd",
               "gdn_gpu_sweep", "gdn_gpu_state_bwd", "gdn_gpu_block_state_bwd"}
@@ -54,27 +59,43 @@ def _subs(eqn):
                 yield s.jaxpr
 
 
-def dot_chain(jaxpr, in_depth=None) -> tuple[int, list[tuple]]:
+def _dot_shape(eqn) -> tuple[int, int, int]:
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    a, b = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    kk = math.prod(a[i] for i in lc)
+    return math.prod(a) // kk, kk, math.prod(b) // math.prod(b[i] for i in rc)
+
+
+def count_dots(eqn) -> int:
+    return int(eqn.primitive.name == "dot_general")
+
+
+def dot_macs(eqn) -> int:
+    return math.prod(_dot_shape(eqn)) if eqn.primitive.name == "dot_general" else 0
+
+
+def count_reductions(eqn) -> int:
+    return int(eqn.primitive.name == "reduce_sum")
+
+
+def dot_chain(jaxpr, in_depth=None, weight=count_dots) -> tuple[int, list[tuple]]:
     """(longest chain of dependent dots, every dot's (M, K, N)) of a jaxpr. A value's depth is the
-    most dots on any dataflow path from the inputs to it; sub-jaxprs (pjit, cond branches, custom_jvp)
-    are entered with their operands' depths. Kernels return nothing (their results are ref stores),
-    so the chain is the deepest value anywhere in the body."""
+    most dots on any dataflow path from the inputs to it (with ``weight``: the most of weight(eqn)
+    summed along a path, e.g. the MACs of its dots); sub-jaxprs (pjit, cond branches, custom_jvp) are
+    entered with their operands' depths. Kernels return nothing (their results are ref stores), so
+    the chain is the deepest value anywhere in the body."""
     depth = dict(zip(jaxpr.invars, in_depth or [0] * len(jaxpr.invars)))
     get = lambda v: 0 if hasattr(v, "val") else depth.get(v, 0)  # noqa: E731  literals: 0
     dots, best = [], 0
     for eqn in jaxpr.eqns:
         ins = [get(v) for v in eqn.invars]
         base = max(ins, default=0)
-        out = base
+        out = base + weight(eqn)
         if eqn.primitive.name == "dot_general":
-            (lc, rc), _ = eqn.params["dimension_numbers"]
-            a, b = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-            kk = math.prod(a[i] for i in lc)
-            dots.append((math.prod(a) // kk, kk, math.prod(b) // math.prod(b[i] for i in rc)))
-            out = base + 1
+            dots.append(_dot_shape(eqn))
         for sub in _subs(eqn):
             n_in = len(sub.invars)
-            d, sub_dots = dot_chain(sub, ins[-n_in:] if n_in <= len(ins) else [base] * n_in)
+            d, sub_dots = dot_chain(sub, ins[-n_in:] if n_in <= len(ins) else [base] * n_in, weight)
             dots += sub_dots
             out = max(out, d)
         for v in eqn.outvars:
@@ -197,6 +218,23 @@ def block(form: str, B, T, H, HK, K, V, C):
                   else {4: " (WY recompute)", 5: " (state recompute)"})
 
 
+def inverse_rows(C: int) -> dict[str, dict]:
+    """The triangular inverse of one C x C chunk matrix by each method (the jaxpr of
+    ``chunk_math.invert`` at fp32, as the intra kernel runs it)."""
+    rows = {}
+    for method in cm.INVERSES:
+        j = jax.make_jaxpr(lambda a, m=method: cm.invert(a, cm.MatmulPolicy(None), m))(
+            jax.ShapeDtypeStruct((C, C), jnp.float32)).jaxpr
+        chain, dots = dot_chain(j)
+        rows[method] = dict(
+            forms=sorted(f for f, m in FORM_INVERSE.items() if m == method), matmuls=len(dots),
+            matmul_shapes=[f"{m}x{k}x{n}" for m, k, n in sorted(set(dots))],
+            macs=sum(math.prod(d) for d in dots), dependent_matmuls=chain,
+            dependent_macs=dot_chain(j, weight=dot_macs)[0],
+            dependent_reductions=dot_chain(j, weight=count_reductions)[0])
+    return rows
+
+
 def residual_bytes(T: int, H: int, HK: int, K: int, V: int, C: int) -> dict:
     """Per layer, per row: the custom_vjp residuals (both forms: the inputs and the per-chunk
     inverse), the backward's transient per-chunk states and their cotangents (the parallel backward
@@ -219,7 +257,8 @@ def main(argv=None) -> dict:
                  block_tpu=block("tpu", 1, a.T, H, HK, K, V, C), block_gpu=block("gpu", 1, a.T, H, HK, K, V, C))
     report = dict(shapes=dict(T=a.T, H=H, HK=HK, dk=K, dv=V, C=C, dtype="bfloat16", block=BLOCK,
                               gpu_dv_tile=gpu_tile(K, V, C)),
-                  **sides, residual_bytes={f"{t // 1024}K": residual_bytes(t, H, HK, K, V, C) for t in (8192, 131072)})
+                  **sides, residual_bytes={f"{t // 1024}K": residual_bytes(t, H, HK, K, V, C) for t in (8192, 131072)},
+                  inverse=inverse_rows(C))
     for side in sides:
         print(f"\n{side}: kernel | seq | steps/(row,head) | matmuls/step | dependent | mean 128x128 fill | shapes")
         for r in report[side]:
@@ -240,6 +279,12 @@ def main(argv=None) -> dict:
     for t, r in report["residual_bytes"].items():
         print(f"  {t}: {r['residuals'] / 2**20:,.0f} MiB | {r['backward_states'] / 2**20:,.0f} MiB"
               f" | {r['gpu_forward_states'] / 2**20:,.0f} MiB")
+    print(f"\ntriangular inverse of one {C} x {C} chunk matrix (fp32): method (forms) | matmuls | MACs | "
+          "dependent matmuls | MACs on that chain | dependent reductions | shapes")
+    for m, r in report["inverse"].items():
+        print(f"  {m:<9} ({'/'.join(r['forms']) or '-'}) {r['matmuls']:>4} {r['macs']:>10,} "
+              f"{r['dependent_matmuls']:>4} {r['dependent_macs']:>10,} {r['dependent_reductions']:>4}  "
+              f"{' '.join(r['matmul_shapes'])}")
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

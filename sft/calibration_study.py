@@ -4,22 +4,32 @@ section; `launch.py calibrate` hands it here).
 
 1. the eval split (held-out prompts of `sft.data.tool_task`) and a calibration split (held-out
    prompts of another seed, minus every eval prompt: disjoint by construction), as JSONL;
-2. one model per training block size and one on the mix, each `sft.recipe.run_sft` of the study's
-   recipe with `model.block_size` set (a list for the mix) under ``<runs_dir>/train_<B>``; a model
-   whose HF export exists is not trained again, and an interrupted training resumes from its
-   checkpoints. With `store_dir` (the repo's ``models/calibration_study``), each export is also kept
-   there with the resolved recipe it was trained by (`study_model.json`), and a stored model whose
-   recipe matches is used instead of training: ``runs/`` is scratch, the stored models are what lets
-   the study be rerun in minutes on a fresh checkout (a recipe that differs is an error naming the key);
+2. one model per training block size, one on the mix and one on the block-size curriculum
+   (`curriculum`: `model.block_size_schedule`), each `sft.recipe.run_sft` of the study's recipe with
+   `model.block_size` set (a list for the mix and the curriculum) under ``<runs_dir>/train_<name>``,
+   and `seeds` of each (`StudyModel`: seed k > 0 adds k to the recipe's `train.seed`, `data.seed` (the
+   data order) and `model.seed` (the init), under ``train_<name>_seed<k>``); a model whose HF export
+   exists is not trained again, and an interrupted training resumes from its checkpoints. With
+   `store_dir` (the repo's ``models/calibration_study``), each export is also kept there
+   (``<name>``, ``<name>_seed<k>``) with the resolved recipe it was trained by (`study_model.json`),
+   and a stored model whose recipe matches is used instead of training: ``runs/`` is scratch, the
+   stored models are what lets the study be rerun in minutes on a fresh checkout (a recipe that
+   differs is an error naming the key);
 3. per model: the post-hoc gamma fit for every decode block size on the calibration split
    (`calibrate --fit`), the sweep (decode sizes x thresholds x {learned, gamma=0}, AR first) and a
    sweep of each fitted checkpoint at its own size (at `fitted_thresholds`); each writes its
-   results.json and is skipped when that exists. With `store_dir`, a model's rows are kept beside it
-   (`measured.json`, with what they depend on: the eval prompts' hash and every sweep setting) and
-   reused while that key matches, so the report is rebuilt from the stored models in seconds;
-4. the rows of all sweeps, labelled by trained size and calibration, go to
-   `clover_jax.decoding.study_report.write_report` (``report_dir``), and each model's AR numbers
-   are printed against the floor (validity 0.95, argument accuracy 0.8).
+   results.json and is skipped when that exists. Each row keeps its per-prompt results
+   (``per_prompt``, from the sweep's per-example records, checked to average to the row's numbers)
+   for the report's bootstrap. With `store_dir`, a model's rows are kept beside it (`measured.json`,
+   with what they depend on: the eval prompts' hash and every sweep setting) and reused while that
+   key matches, so the report is rebuilt from the stored models in seconds (rows measured before
+   per-prompt results were kept are reused without them unless `measure_missing_prompts`);
+4. the rows of all sweeps, labelled by trained size, seed and calibration, go to
+   `clover_jax.decoding.study_report.write_report` (``report_dir``: means over seeds with their
+   intervals), and each model's AR numbers are printed against the floor (validity 0.95, argument
+   accuracy 0.8).
+
+`dry_run` runs nothing: it prints, per model, whether it is stored, would be trained or measured.
 
 Every step is a function handed in (`Steps`), so the orchestration is tested with stand-ins.
 """
@@ -34,7 +44,8 @@ from typing import Any, Callable
 
 from clover_jax.yaml_config import ConfigError, apply_overrides, from_tree, load_yaml_tree
 
-__all__ = ["StudyConfig", "Steps", "default_steps", "is_study_config", "load_study_config", "run_study"]
+__all__ = ["StudyConfig", "StudyModel", "Steps", "default_steps", "is_study_config", "load_study_config", "run_study",
+           "study_models"]
 
 FLOOR = {"validity": 0.95, "bfcl_accuracy": 0.8}
 
@@ -46,6 +57,10 @@ class StudyConfig:
     runs_dir: str = "runs/calibration_study"
     train_block_sizes: tuple[int, ...] = (4, 8, 16, 32)
     mix: tuple[int, ...] = (4, 8, 16, 32)  # () = no mix model
+    # the curriculum model's model.block_size_schedule, [[fraction, block size], ...]; () = no curriculum model
+    curriculum: tuple[tuple[float, int], ...] = ()
+    # models per name (a training block size, mix, curriculum; default: the others); absent: 1. Seed 0 is the recipe's
+    seeds: dict[str | int, int] = field(default_factory=dict)
     bfcl: str = "../shared/data/bfcl/BFCL_v4_simple_python.json"
     eval_n: int = 200
     eval_seed: int = 1
@@ -60,6 +75,26 @@ class StudyConfig:
     train_only: bool = False  # step 2 only: train (and store) what is missing, measure nothing
     fitted_thresholds: tuple[float, ...] | None = None  # the fitted checkpoints' sweeps; None = `thresholds`
     calibrate: dict[str, Any] = field(default_factory=dict)  # base CalibrateConfig tree of every sweep
+    # measure again a stored model whose measured.json predates per-prompt results (for the prompt bootstrap)
+    measure_missing_prompts: bool = False
+    dry_run: bool = False  # print what would be trained / measured, run nothing
+
+    def __post_init__(self) -> None:
+        names = {str(b) for b in self.train_block_sizes} | ({"mix"} if self.mix else set()) | (
+            {"curriculum"} if self.curriculum else set())
+        for k, n in self.seeds.items():
+            if str(k) != "default" and str(k) not in names:
+                raise ConfigError(f"study.seeds.{k}: not a model of the study (default, {', '.join(sorted(names))})")
+            if n < 1:
+                raise ConfigError(f"study.seeds.{k}: must be >= 1, got {n}")
+        if self.curriculum:
+            from sft.noise import check_block_size_schedule
+
+            check_block_size_schedule(self.curriculum, where="study.curriculum")
+
+    def n_seeds(self, name: Any) -> int:
+        by_name = {str(k): v for k, v in self.seeds.items()}
+        return by_name.get(str(name), by_name.get("default", 1))
 
 
 def is_study_config(path: str | Path) -> bool:
@@ -72,12 +107,58 @@ def load_study_config(path: str | Path, overrides: list[str] | tuple[str, ...] =
 
 
 @dataclass(frozen=True)
-class Steps:
-    """The study's side effects: train(run_dir, block sizes) -> export dir; fit(checkpoint, out,
-    calibration jsonl, sizes); sweep(checkpoint, out, eval jsonl, sizes, thresholds, calibrations)
-    -> writes <out>/results.json."""
+class StudyModel:
+    """One trained model of the study: its `name` in the report (a block size, "mix", "curriculum"),
+    the training block sizes, the curriculum (or None) and the seed (0: the recipe's own seeds)."""
 
-    train: Callable[[Path, tuple[int, ...]], Path]
+    name: Any
+    sizes: tuple[int, ...]
+    schedule: tuple[tuple[float, int], ...] | None = None
+    seed: int = 0
+
+    @property
+    def dirname(self) -> str:
+        """The model's folder name under runs (``train_<dirname>``) and the store."""
+        return str(self.name) if self.seed == 0 else f"{self.name}_seed{self.seed}"
+
+    def overrides(self, base_seeds: dict[str, int]) -> tuple[str, ...]:
+        """The recipe overrides that train this model; `base_seeds`: the recipe's train / data / model seeds."""
+        size = self.sizes[0] if len(self.sizes) == 1 else f"[{', '.join(map(str, self.sizes))}]"
+        out = [f"model.block_size={size}"]
+        if self.schedule:
+            out.append("model.block_size_schedule=[" + ", ".join(f"[{f!r}, {b}]" for f, b in self.schedule) + "]")
+        if self.seed:
+            out += [f"{k}={v + self.seed}" for k, v in sorted(base_seeds.items())]
+        return tuple(out)
+
+
+def study_models(cfg: StudyConfig) -> list[StudyModel]:
+    """Every model of the study, seed 0 of each first (the round-1 models), then the other seeds."""
+    base = [StudyModel(b, (b,)) for b in cfg.train_block_sizes]
+    if cfg.mix:
+        base.append(StudyModel("mix", tuple(cfg.mix)))
+    if cfg.curriculum:
+        sizes = tuple(dict.fromkeys(int(b) for _, b in cfg.curriculum))
+        base.append(StudyModel("curriculum", sizes, tuple(cfg.curriculum)))
+    extra = [dataclasses.replace(m, seed=k) for m in base for k in range(1, cfg.n_seeds(m.name))]
+    return base + extra
+
+
+def _base_seeds(cfg: StudyConfig) -> dict[str, int]:
+    """The recipe's seeds that seed k > 0 shifts by k: the noise (train.seed), data order (data.seed), init (model.seed)."""
+    from sft.config import load_sft_config
+
+    r = load_sft_config(cfg.recipe, list(cfg.recipe_overrides))
+    return {"train.seed": r.train.seed, "data.seed": r.data.seed, "model.seed": r.model.seed}
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The study's side effects: train(run_dir, recipe overrides of the model) -> export dir;
+    fit(checkpoint, out, calibration jsonl, sizes); sweep(checkpoint, out, eval jsonl, sizes,
+    thresholds, calibrations) -> writes <out>/results.json."""
+
+    train: Callable[[Path, tuple[str, ...]], Path]
     fit: Callable[[Path, Path, Path, tuple[int, ...]], None]
     sweep: Callable[[Path, Path, Path, tuple[int, ...], tuple[float, ...], tuple[dict, ...]], None]
 
@@ -111,9 +192,36 @@ def _splits(cfg: StudyConfig, runs: Path) -> tuple[Path, Path]:
     return ev, cal
 
 
-def _rows(results: Path, trained: Any, calibration: str | None = None) -> list[dict[str, Any]]:
-    rows = json.loads(results.read_text())["rows"]
-    return [{**r, "trained": trained, **({"calibration": calibration} if calibration else {})} for r in rows]
+#: per-prompt results a row keeps (row key -> the sweep's per-example key): the report's bootstrap reads them
+_PER_PROMPT = {"validity": "valid", "bfcl_accuracy": "bfcl", "exact_match": "exact", "tokens": "tokens", "nfe": "nfe"}
+
+
+def _per_prompt(row: dict[str, Any], examples: list[dict[str, Any]], where: str) -> dict[str, list]:
+    """The row's per-prompt results from the sweep's per-example records (ints where whole: 0/1
+    scores, token counts), checked to give the row's own numbers back (the report's means and its
+    bootstrap must describe the same measurement)."""
+    out = {k: [int(e[v]) if float(e[v]).is_integer() else float(e[v]) for e in examples] for k, v in _PER_PROMPT.items()}
+    checks = {m: sum(out[m]) / len(examples) for m in ("validity", "bfcl_accuracy", "exact_match")}
+    checks["tokens_per_forward"] = sum(out["tokens"]) / max(sum(out["nfe"]), 1)
+    for m, v in checks.items():
+        if abs(v - float(row[m])) > 1e-9:
+            raise ValueError(f"{where}: the per-example records give {m} {v}, the row {row[m]} (block "
+                             f"{row['block_size']}, threshold {row['threshold']})")
+    return out
+
+
+def _rows(results: Path, model: StudyModel, calibration: str | None = None) -> list[dict[str, Any]]:
+    """The sweep's rows labelled with the model (``trained``, ``seed``) and `calibration`, each with its
+    ``per_prompt`` results where the sweep wrote per-example records (``details``)."""
+    res = json.loads(results.read_text())
+    details = res.get("details")
+    out = []
+    for i, r in enumerate(res["rows"]):
+        row = {**r, "trained": model.name, "seed": model.seed, **({"calibration": calibration} if calibration else {})}
+        if details:
+            row["per_prompt"] = _per_prompt(r, details[i]["examples"], str(results))
+        out.append(row)
+    return out
 
 
 # what a stored model's recipe may differ in: where it wrote, how often it checkpointed or logged, where
@@ -121,14 +229,13 @@ def _rows(results: Path, trained: Any, calibration: str | None = None) -> list[d
 _RECIPE_IGNORED = ("logging", "checkpoint", "export", "data_root", "staging_dir", "devices", "count_flops")
 
 
-def _recipe_tree(cfg: StudyConfig, sizes: tuple[int, ...]) -> dict[str, Any]:
-    """The resolved training config of the model trained at `sizes` (the recipe as `train` runs it),
-    without the sections that only say where and how often it wrote."""
+def _recipe_tree(cfg: StudyConfig, overrides: tuple[str, ...]) -> dict[str, Any]:
+    """The resolved training config of a model (the recipe with the model's `overrides`, as `train`
+    runs it), without the sections that only say where and how often it wrote."""
     from clover_jax.yaml_config import to_tree
     from sft.config import load_sft_config
 
-    size = sizes[0] if len(sizes) == 1 else f"[{', '.join(map(str, sizes))}]"
-    tree = to_tree(load_sft_config(cfg.recipe, [*cfg.recipe_overrides, f"model.block_size={size}"]))
+    tree = to_tree(load_sft_config(cfg.recipe, [*cfg.recipe_overrides, *overrides]))
     for src in tree["data"]["sources"]:
         src["path"] = src["path"] and Path(src["path"]).name
     return json.loads(json.dumps({k: v for k, v in tree.items() if k not in _RECIPE_IGNORED}, default=str))
@@ -171,22 +278,27 @@ def _store_model(hf: Path, stored: Path, recipe: dict[str, Any]) -> None:
     tmp.rename(stored)
 
 
-def _trained_model(cfg: StudyConfig, runs: Path, name: Any, sizes: tuple[int, ...], steps: Steps,
+def _model_paths(cfg: StudyConfig, runs: Path, model: StudyModel) -> tuple[Path, Path | None]:
+    """(the model's run dir, its stored copy or None without `store_dir`)."""
+    return runs / f"train_{model.dirname}", Path(cfg.store_dir) / model.dirname if cfg.store_dir else None
+
+
+def _trained_model(cfg: StudyConfig, runs: Path, model: StudyModel, base_seeds: dict[str, int], steps: Steps,
                    print_fn: Callable[[str], None]) -> Path:
-    """The export of the model trained at `sizes`: the stored one when its recipe matches, else the run's
-    (trained now if missing), stored when `store_dir` is set; measured from the stored copy."""
-    run = runs / f"train_{name}"
+    """The export of `model`: the stored one when its recipe matches, else the run's (trained now if
+    missing), stored when `store_dir` is set; measured from the stored copy."""
+    run, stored = _model_paths(cfg, runs, model)
     hf = run / "hf"
-    stored = Path(cfg.store_dir) / str(name) if cfg.store_dir else None
-    recipe = _recipe_tree(cfg, sizes) if stored else None
+    overrides = model.overrides(base_seeds)
+    recipe = _recipe_tree(cfg, overrides) if stored else None
     if stored is not None and _stored_model(stored, recipe):
         return stored
     if not (hf / "config.json").is_file():
-        print_fn(f"study: training the block {name} model ({run})")
-        hf = steps.train(run, sizes)
+        print_fn(f"study: training the block {model.dirname} model ({run})")
+        hf = steps.train(run, overrides)
     if stored is not None:
         _store_model(hf, stored, recipe)
-        print_fn(f"study: stored the block {name} model in {stored}")
+        print_fn(f"study: stored the block {model.dirname} model in {stored}")
         return stored  # measured from the stored copy, as a fresh checkout will
     return hf
 
@@ -202,7 +314,48 @@ def _measure_key(cfg: StudyConfig, ev: Path) -> dict[str, Any]:
             "calibrate": json.loads(json.dumps(cfg.calibrate, default=str))}
 
 
-def _measure(cfg: StudyConfig, run: Path, hf: Path, name: Any, ev: Path, cal: Path, steps: Steps) -> list[dict]:
+def _stored_rows(cfg: StudyConfig, measured: Path | None, key: dict[str, Any], model: StudyModel) -> list[dict] | None:
+    """The model's rows from its `measured.json` while its key matches (and, with
+    `measure_missing_prompts`, they have per-prompt results); None: measure it."""
+    if measured is None or not measured.is_file():
+        return None
+    m = json.loads(measured.read_text())
+    if m["key"] != key or (cfg.measure_missing_prompts and not all(r.get("per_prompt") for r in m["rows"])):
+        return None
+    return [{**r, "trained": model.name, "seed": model.seed} for r in m["rows"]]
+
+
+def _dry_run(cfg: StudyConfig, runs: Path, models: list[StudyModel], base_seeds: dict[str, int], key: dict | None,
+             print_fn: Callable[[str], None]) -> None:
+    """`dry_run`: per model, what a run would do (nothing is trained, stored or measured)."""
+    todo = {"train": 0, "measure": 0}
+    for model in models:
+        run, stored = _model_paths(cfg, runs, model)
+        try:
+            have = stored is not None and _stored_model(stored, _recipe_tree(cfg, model.overrides(base_seeds)))
+        except ConfigError as e:
+            print_fn(f"study (dry run): {model.dirname}: refused: {e}")
+            continue
+        if have:
+            what = f"stored in {stored}"
+        elif (run / "hf" / "config.json").is_file():
+            what = f"trained in {run / 'hf'}, to store"
+        else:
+            what, todo["train"] = f"to train in {run}", todo["train"] + 1
+        if key is not None:
+            measured = stored / "measured.json" if (have and stored is not None) else None
+            rows = _stored_rows(cfg, measured, key, model)
+            if rows is None:
+                todo["measure"] += 1
+            what += ("; measured" + ("" if all(r.get("per_prompt") for r in rows) else " (no per-prompt results)")
+                     if rows is not None else "; to measure")
+        print_fn(f"study (dry run): {model.dirname}: {what}")
+    print_fn(f"study (dry run): {len(models)} models, {todo['train']} to train, "
+             + (f"{todo['measure']} to measure" if key is not None else "nothing measured (train_only)"))
+
+
+def _measure(cfg: StudyConfig, run: Path, hf: Path, model: StudyModel, ev: Path, cal: Path, steps: Steps
+             ) -> list[dict]:
     """Step 3 for one model (each part skipped when its results exist under `run`): the rows of its
     sweep (AR, learned, gamma = 0) and of its fitted checkpoints' sweeps, labelled."""
     if not (run / "fit" / "fit" / "fit.json").is_file():
@@ -210,50 +363,52 @@ def _measure(cfg: StudyConfig, run: Path, hf: Path, name: Any, ev: Path, cal: Pa
     sweep = run / "sweep"
     if not (sweep / "results.json").is_file():
         steps.sweep(hf, sweep, ev, cfg.decode_block_sizes, cfg.thresholds, ({}, {"gamma": 0.0}))
-    rows = _rows(sweep / "results.json", name)
+    rows = _rows(sweep / "results.json", model)
     for k in cfg.decode_block_sizes:
         out = run / f"sweep_fitted_{k}"
         if not (out / "results.json").is_file():
             steps.sweep(run / "fit" / "fit" / f"block{k}", out, ev, (k,), cfg.fitted_thresholds or cfg.thresholds,
                         ({},))
-        rows += [r for r in _rows(out / "results.json", name, "fitted") if r["mode"] != "ar"]
+        rows += [r for r in _rows(out / "results.json", model, "fitted") if r["mode"] != "ar"]
     return rows
 
 
 def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callable[[str], None] = print
               ) -> Path | None:
     """Steps 1-4 of the module docstring; returns the report's path (None with `train_only`: the
-    models are trained first, e.g. over several sessions, and measured by a later run)."""
+    models are trained first, e.g. over several sessions, and measured by a later run; None with
+    `dry_run`)."""
     from clover_jax.decoding.study_report import write_report
 
     runs = Path(cfg.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
     ev, cal = _splits(cfg, runs)
-    models: list[tuple[Any, tuple[int, ...]]] = [(b, (b,)) for b in cfg.train_block_sizes]
-    if cfg.mix:
-        models.append(("mix", tuple(cfg.mix)))
+    models = study_models(cfg)
+    base_seeds = _base_seeds(cfg) if any(m.seed for m in models) else {}
+    key = None if cfg.train_only else _measure_key(cfg, ev)
+    if cfg.dry_run:
+        _dry_run(cfg, runs, models, base_seeds, key, print_fn)
+        return None
     rows: list[dict[str, Any]] = []
     if cfg.train_only:
-        for name, sizes in models:
-            _trained_model(cfg, runs, name, sizes, steps, print_fn)
+        for model in models:
+            _trained_model(cfg, runs, model, base_seeds, steps, print_fn)
         print_fn(f"study: {len(models)} models trained (train_only: nothing measured)")
         return None
-    key = _measure_key(cfg, ev)
-    for name, sizes in models:
-        run = runs / f"train_{name}"
-        hf = _trained_model(cfg, runs, name, sizes, steps, print_fn)
+    for model in models:
+        run = runs / f"train_{model.dirname}"
+        hf = _trained_model(cfg, runs, model, base_seeds, steps, print_fn)
         measured = hf / "measured.json" if cfg.store_dir else None
-        if measured is not None and measured.is_file() and json.loads(measured.read_text())["key"] == key:
-            rows += json.loads(measured.read_text())["rows"]  # this model's sweeps, as measured before
-        else:
-            mine = _measure(cfg, run, hf, name, ev, cal, steps)
-            rows += mine
+        mine = _stored_rows(cfg, measured, key, model)  # this model's sweeps, as measured before
+        if mine is None:
+            mine = _measure(cfg, run, hf, model, ev, cal, steps)
             if measured is not None:
                 measured.write_text(json.dumps({"key": key, "rows": mine}, default=str) + "\n")
-        ar = next(r for r in rows if r["trained"] == name and r["mode"] == "ar")
+        rows += mine
+        ar = next(r for r in mine if r["mode"] == "ar")
         verdict = all(ar[q] >= v for q, v in FLOOR.items())
-        print_fn(f"study: block {name} model, AR on {ev.name}: validity {ar['validity']:.3f}, argument accuracy "
-                 f"{ar['bfcl_accuracy']:.3f} (floor {FLOOR['validity']} / {FLOOR['bfcl_accuracy']}: "
+        print_fn(f"study: block {model.dirname} model, AR on {ev.name}: validity {ar['validity']:.3f}, argument "
+                 f"accuracy {ar['bfcl_accuracy']:.3f} (floor {FLOOR['validity']} / {FLOOR['bfcl_accuracy']}: "
                  f"{'met' if verdict else 'NOT met'})")
     (runs / "rows.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
     md = write_report(Path(cfg.report_dir), rows, quality=cfg.quality, threshold=cfg.report_threshold, command=command)
@@ -272,10 +427,9 @@ def default_steps(cfg: StudyConfig) -> Steps:
         tree = {**cfg.calibrate, "checkpoint": str(checkpoint), "out_dir": str(out), **extra}
         return from_tree(CalibrateConfig, tree, where="study.calibrate")
 
-    def train(run: Path, sizes: tuple[int, ...]) -> Path:
-        size = sizes[0] if len(sizes) == 1 else f"[{', '.join(map(str, sizes))}]"
-        res = run_sft(load_sft_config(cfg.recipe, [*cfg.recipe_overrides, f"model.block_size={size}",
-                                                   f"logging.run_dir={run}", f"export.dir={run / 'hf'}"]))
+    def train(run: Path, overrides: tuple[str, ...]) -> Path:
+        res = run_sft(load_sft_config(cfg.recipe, [*cfg.recipe_overrides, *overrides, f"logging.run_dir={run}",
+                                                   f"export.dir={run / 'hf'}"]))
         if res.export_dir is None:
             raise RuntimeError(f"study: training {run} stopped at step {res.step} without an export (preempted?)")
         return Path(res.export_dir)

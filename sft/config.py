@@ -4,7 +4,8 @@ Sections (each a frozen dataclass, built by `clover_jax.yaml_config.from_tree`, 
 bad types fail naming the key):
 
     model:      init_from (HF dir or Orbax params checkpoint) | preset (random init), plus any
-                ModelConfig field as an override (mode, block_size, dtype, mask_token_id, ...)
+                ModelConfig field as an override (mode, block_size, dtype, mask_token_id, ...);
+                block_size_schedule: a block-size curriculum over training (`ModelSpec`)
     data:       sft.data.DataConfig (sources, seq_len, batch_size, eval_fraction, ...)
     data_root:  where relative source paths (and `hf.data_files`) live: a user setting, relative to the
                 working directory (`~` and `$VARS` expanded), e.g. `data_root=/mnt/agent-data`;
@@ -47,7 +48,7 @@ from clover_jax.yaml_config import ConfigError, apply_overrides, deep_merge, fro
 from sft.data.config import DataConfig
 from sft.lora import LoraConfig
 from sft.loss import LossConfig
-from sft.noise import NoiseConfig
+from sft.noise import NoiseConfig, check_block_size_schedule
 from sft.task_vocab import VocabSubsetConfig
 from train.config import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainConfig, TrainerConfig
 
@@ -60,7 +61,7 @@ LOCAL_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
 #: where a user learns how to fetch the agent mix (named in data_root errors)
 DATA_README = 'README.md, section "Getting the data"'
 
-_SPEC_KEYS = ("init_from", "preset", "generate_missing", "seed")
+_SPEC_KEYS = ("init_from", "preset", "generate_missing", "seed", "block_size_schedule")
 
 #: what a resumed checkpoint's stored config must equal (the same experiment: `train.config_diff`);
 #: train.steps, logging, checkpoint cadence, export, eval, mesh may change (`train.resume: force`: all)
@@ -80,12 +81,21 @@ class ModelSpec:
       inside `logging.run_dir`: a missing `init_from` elsewhere is an error (a mistyped checkpoint
       path never becomes a random model).
     seed: seed of random inits. overrides: ModelConfig fields set on top (see module docstring).
+    block_size_schedule: a block-size curriculum, stages ``[[fraction, block size], ...]``: update s
+      of `train.steps` trains at the size of the last stage whose fraction f has started
+      (s >= ceil(f * train.steps); `sft.noise.scheduled_block_size`), e.g. ``[[0, 4], [0.25, 8],
+      [0.5, 16], [0.75, 32]]``. Fractions start at 0 and increase; each size divides `data.seq_len`
+      and is listed in `model.block_size` (the sizes compiled, once each, and aligned to). None: a
+      list `block_size` draws one size per update (`sft.noise.draw_block_size`). The stages are
+      fractions of `train.steps`, as the learning-rate schedule is: a resume under other
+      `train.steps` moves the stages not yet reached.
     """
 
     init_from: str | None = None
     preset: str | None = None
     generate_missing: bool = False
     seed: int = 0
+    block_size_schedule: tuple[tuple[float, int], ...] | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -147,7 +157,8 @@ class ExportConfig:
     ``<logging.run_dir>/hf_export``). The folder is written whole and atomically. A non-empty `dir`
     is replaced only when it is this run's own earlier export (its ``clover_export.json`` names the
     same run dir: a rerun that resumes from its final checkpoint exports again) or with
-    `overwrite: true`; anything else is refused before training starts."""
+    `overwrite: true`; anything else is refused before training starts. `adapters` (LoRA runs only):
+    also the adapters as a PEFT LoRA adapter dir, ``<logging.run_dir>/adapter`` (`sft.adapter_export`)."""
 
     enabled: bool = True
     dir: str | None = None
@@ -157,6 +168,7 @@ class ExportConfig:
     clover_naming: Literal["split", "packed"] = "split"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     overwrite: bool = False
+    adapters: bool = False
 
 
 @dataclass(frozen=True)
@@ -182,6 +194,9 @@ class SFTConfig:
     staging_dir: str = "~/.cache/clover_jax/staging"  # local copies of remote inputs / outputs (sft.remote)
 
     def __post_init__(self) -> None:
+        if self.export.adapters and not self.lora.enabled:
+            raise ConfigError("export.adapters: true writes a LoRA run's adapters, and this run has none "
+                              "(lora.rank 0); set lora.rank > 0 or export.adapters: false")
         if self.loss.weighting == "inverse_t" and self.loss.normalization == "token" and not self.noise.complementary:
             # token normalisation divides by the masked count; only with the complementary pair is it
             # the (fixed) maskable count, which makes the 1/t-weighted mean the ELBO
@@ -297,7 +312,13 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
     if cfg.vocab_subset.enabled and cfg.model.init_from is not None:
         raise ConfigError(f"{where}: vocab_subset.enabled needs a random init (model.preset, no model.init_from): "
                           "a checkpoint's embedding rows are numbered by the full vocabulary")
-    model_config_from(cfg.model, None)  # type-check the overrides now, not after loading 70 GB
+    mcfg = model_config_from(cfg.model, None)  # type-check the overrides now, not after loading 70 GB
+    if cfg.model.block_size_schedule is not None:
+        # the sizes are known now unless they come from the init checkpoint (checked again when it is read)
+        known = cfg.model.init_from is None or "block_size" in cfg.model.overrides
+        check_block_size_schedule(cfg.model.block_size_schedule, seq_len=cfg.data.seq_len,
+                                  block_sizes=mcfg.block_sizes if known else None,
+                                  where=f"{where}: model.block_size_schedule")
     return cfg
 
 

@@ -24,7 +24,7 @@ from clover_jax.config import ModelConfig
 from clover_jax.yaml_config import ConfigError
 from sft.config import SFTConfig
 
-__all__ = ["check_export_target", "export_params", "run_identity"]
+__all__ = ["check_export_target", "export_params", "run_identity", "run_provenance"]
 
 
 def _absolute(path: str) -> str:
@@ -36,6 +36,11 @@ def _absolute(path: str) -> str:
 def run_identity(cfg: SFTConfig) -> str:
     """What an export records as its run: the absolute run dir (a resumed run keeps it)."""
     return _absolute(cfg.logging.run_dir)
+
+
+def run_provenance(cfg: SFTConfig, step: int) -> dict[str, Any]:
+    """What an export of this run records about where it came from: run dir, checkpoint dir, step."""
+    return {"run_dir": run_identity(cfg), "checkpoint_dir": _absolute(cfg.checkpoint_dir), "step": int(step)}
 
 
 def check_export_target(cfg: SFTConfig, out: str | Path | None = None, *, overwrite: bool | None = None) -> bool:
@@ -90,7 +95,6 @@ def export_params(cfg: SFTConfig, model_cfg: ModelConfig, tok_dir: Path | None, 
         model_cfg = base_config(model_cfg)
     model = model_from_params(model_cfg.replace(param_dtype="float32", dtype="float32"), host)
     kw = {"format": ec.format, "clover_naming": ec.clover_naming, **{k: v for k, v in write_kw.items() if v is not None}}
-    provenance = {"run_dir": run_identity(cfg), "checkpoint_dir": _absolute(cfg.checkpoint_dir),
-                  "step": int(step), "format": kw["format"], "dtype": ec.dtype}
+    provenance = {**run_provenance(cfg, step), "format": kw["format"], "dtype": ec.dtype}
     return save_hf(model, model_cfg, out, dtype=jnp.dtype(ec.dtype), source_dir=tok_dir, overwrite=replace,
                    provenance=provenance, **kw)

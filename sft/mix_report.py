@@ -9,6 +9,9 @@ tokenizer, `block_align`, packing), then N training batches drawn from the packe
   hard cuts, and the share of the documents drawn next to the configured weight's share;
 - the first bad record (load time) and the first render failure of each source, as ``file:line: reason``;
 - totals: rows, padding fraction and pieces (documents or split parts) per row at ``seq_len``;
+- the CE chunks holding loss tokens: the share of each chip's CE chunks (``loss.chunk_tokens``
+  positions of the noisy rows) that hold a masked token, at the drawn loss-token share, for
+  `launch.py compile --ce-share` (`ce_chunk_share`);
 - ``--show K``: the first K packed rows as text, segment by segment (source, ``file:line``), with the
   loss-masked (trained) spans highlighted: rich markup on a terminal, ``⟦...⟧`` markers in a file.
 
@@ -49,6 +52,7 @@ class MixReport:
     pieces_per_row: float
     pad_fraction: float
     seconds: float
+    loss_fraction: float = 0.0  # loss (trained) tokens per token of the drawn rows
     samples: list[list[Piece]] = field(default_factory=list)
 
 
@@ -71,7 +75,7 @@ def draw_report(data: SFTData, batches: int, show: int = 0) -> MixReport:
     t0 = time.perf_counter()
     it = data.train_iterator()
     samples: list[list[Piece]] = []
-    rows = pieces = pad = 0
+    rows = pieces = pad = loss = 0
     for _ in range(batches):
         batch = next(it)
         seg = batch["segment_ids"]
@@ -79,11 +83,12 @@ def draw_report(data: SFTData, batches: int, show: int = 0) -> MixReport:
         rows += int(used.sum())
         pieces += int(seg.max(axis=1)[used].sum())
         pad += int((seg[used] == 0).sum())
+        loss += int(np.asarray(batch["loss_mask"])[used].sum())
         samples += it.last_rows[: max(0, show - len(samples))]
     cells = max(1, rows * data.cfg.seq_len)
     return MixReport(stats=it.stats(), weights={s.config.name: s.config.weight for s in data.sources},
                      seq_len=data.cfg.seq_len, batches=batches, rows=rows, pieces_per_row=pieces / max(1, rows), pad_fraction=pad / cells,
-                     seconds=time.perf_counter() - t0, samples=samples)
+                     seconds=time.perf_counter() - t0, samples=samples, loss_fraction=loss / cells)
 
 
 _COLUMNS = ("source", "weight %", "drawn %", "tokens %", "read", "kept", "bad", "filtered", "train/eval", "docs", "render bad",
@@ -160,7 +165,22 @@ def render_samples(rep: MixReport, tok: Any, names: list[str], markup: bool) -> 
     return "\n".join(lines)
 
 
-def run_data(cfg: SFTConfig, batches: int, show: int, out: TextIO | None = None) -> int:
+def ce_chunk_share(cfg: SFTConfig, loss_fraction: float, chips: int) -> tuple[float, int, int, float]:
+    """(share of a chip's CE chunks holding a loss token, CE positions per chip per micro-batch, chunks
+    per chip per micro-batch, masked share of the CE positions) for the noisy stream's CE
+    (`sft.loss.weighted_ce` under a mesh: each chip sweeps its own positions in chunks of
+    `loss.chunk_tokens`, loss tokens first, and skips the chunks without one). A loss token is
+    masked at the mean noise level (1/2 per copy with complementary masking). An estimate from the
+    mean: a chip whose rows mask more than the mean runs one chunk more."""
+    n = cfg.data.batch_size // cfg.train.micro_batches * cfg.noise.copies * cfg.data.seq_len // max(chips, 1)
+    level = 0.5 if cfg.noise.complementary else (cfg.noise.t_min + cfg.noise.t_max) / 2
+    c = max(1, min(cfg.loss.chunk_tokens, n))
+    chunks = -(-n // c)
+    masked = level * loss_fraction
+    return min(chunks, -(-int(np.ceil(masked * n)) // c)) / max(chunks, 1), n, chunks, masked
+
+
+def run_data(cfg: SFTConfig, batches: int, show: int, out: TextIO | None = None, chips: int = 32) -> int:
     """`launch.py data`: open, draw, print (module docstring) to `out` (default: sys.stdout)."""
     from rich.console import Console
 
@@ -173,6 +193,13 @@ def run_data(cfg: SFTConfig, batches: int, show: int, out: TextIO | None = None)
     print(f"{cfg.data.seq_len}-token rows, block_align {data.cfg.block_align}, batch {cfg.data.batch_size} rows; "
           f"{len(data.sources)} sources opened in {opened:.1f} s", file=out)
     print_report(rep, out, terminal)
+    share, n, chunks, masked = ce_chunk_share(cfg, rep.loss_fraction, chips)
+    print(f"loss tokens: {rep.loss_fraction:.1%} of the rows' tokens, masked: {masked:.1%} of the noisy stream's "
+          f"CE positions; on {chips} chips each sweeps {n} positions per micro-batch in {chunks} chunks of "
+          f"{min(cfg.loss.chunk_tokens, n)}: about {share:.3f} of them hold loss tokens "
+          f"(launch.py compile --ce-share {share:.3f})" +
+          ("; the clean stream's AR CE (loss.ar_loss_weight) is not in it" if cfg.loss.ar_loss_weight > 0 else ""),
+          file=out)
     if show:
         text = render_samples(rep, data.tokenizer, data.names, markup=terminal)
         if terminal:

@@ -1,5 +1,6 @@
 """Masked-diffusion noise for SFT (docs/design.md 3.3): per-block noise levels, token masks, the
-complementary copy, and the per-step block-size draw of multi-size training.
+complementary copy, and the per-step block size of multi-size training (a draw, or a curriculum:
+`model.block_size_schedule`).
 
 Blocks lie on the row grid of the step's block size: packing starts every document on that grid
 (block-aligned packing), so a grid block never holds two documents.
@@ -44,7 +45,9 @@ runs ``2 * batch_size`` rows, each with a clean and a noisy stream; the copies o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal, NamedTuple, Sequence
 
 import jax
@@ -53,7 +56,8 @@ import numpy as np
 
 from clover_jax.yaml_config import ConfigError
 
-__all__ = ["NoiseConfig", "NoisedBatch", "after_response_end", "block_noise_levels", "draw_block_size", "noise_batch"]
+__all__ = ["NoiseConfig", "NoisedBatch", "after_response_end", "block_noise_levels", "check_block_size_schedule",
+           "draw_block_size", "noise_batch", "schedule_starts", "scheduled_block_size"]
 
 
 @dataclass(frozen=True)
@@ -193,3 +197,51 @@ def draw_block_size(block_sizes: Sequence[int], seed: int, step: int) -> int:
     if len(sizes) == 1:
         return sizes[0]
     return sizes[int(np.random.default_rng([int(seed), int(step), 0x5EED]).integers(len(sizes)))]
+
+
+#: one stage of a block-size curriculum: (fraction of train.steps where it starts, block size)
+Stage = tuple[float, int]
+
+
+def schedule_starts(schedule: Sequence[Stage], total_steps: int) -> list[int]:
+    """The first update of each stage: ceil(fraction * total_steps), the first update s with
+    s / total_steps >= fraction. The fraction is read as the decimal it was written as (0.3, not
+    0.29999...), so a boundary never moves by one update through float round-off."""
+    return [math.ceil(Fraction(repr(float(f))) * int(total_steps)) for f, _ in schedule]
+
+
+def scheduled_block_size(schedule: Sequence[Stage], total_steps: int, step: int) -> int:
+    """The block size of update `step` (0-based count of updates done) under a curriculum: the size of
+    the last stage that has started (`schedule_starts`). A function of the step alone, like
+    `draw_block_size`, so a resumed run continues on schedule."""
+    size = int(schedule[0][1])
+    for start, (_, b) in zip(schedule_starts(schedule, total_steps), schedule):
+        if step >= start:
+            size = int(b)
+    return size
+
+
+def check_block_size_schedule(schedule: Sequence[Stage], *, seq_len: int | None = None,
+                              block_sizes: Sequence[int] | None = None, where: str = "model.block_size_schedule"
+                              ) -> None:
+    """ConfigError naming `where` unless the schedule is non-empty, its fractions start at 0 and
+    increase strictly below 1, and its sizes are positive, divide `seq_len` and are among the model's
+    `block_sizes` (the sizes the run compiles a step for and aligns its packing to); None skips a check."""
+    if not schedule:
+        raise ConfigError(f"{where}: empty; give stages [[fraction, block size], ...] starting at fraction 0, "
+                          "or null for no schedule")
+    fracs = [float(f) for f, _ in schedule]
+    if fracs[0] != 0.0:
+        raise ConfigError(f"{where}: the first stage must start at fraction 0, got {fracs[0]:g}")
+    if any(b <= a for a, b in zip(fracs, fracs[1:])) or fracs[-1] >= 1.0:
+        raise ConfigError(f"{where}: stage fractions must increase strictly and stay below 1 (fractions of "
+                          f"train.steps), got {fracs}")
+    for f, b in schedule:
+        if int(b) < 1:
+            raise ConfigError(f"{where}: block size {b} (stage at {float(f):g}) must be >= 1")
+        if seq_len is not None and seq_len % int(b):
+            raise ConfigError(f"{where}: block size {b} (stage at {float(f):g}) does not divide data.seq_len {seq_len}")
+        if block_sizes is not None and int(b) not in tuple(block_sizes):
+            raise ConfigError(f"{where}: block size {b} (stage at {float(f):g}) is not one of model.block_size "
+                              f"{list(block_sizes)}; list every size of the schedule there "
+                              f"(model.block_size: {list(dict.fromkeys(int(x) for _, x in schedule))})")

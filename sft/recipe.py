@@ -11,8 +11,9 @@ Flow of `run_sft(cfg)`:
    `block_align` = lcm(data.block_align, model block sizes);
 4. mesh (`mesh`, over the first `devices` devices), shardings of params / optimizer state / batch;
 5. the train step per block size (multi-size training draws one per step on the host,
-   `sft.noise.draw_block_size`), AOT-compiled; FLOPs per step (for MFU) from XLA's cost analysis
-   of the lowering with the layers unrolled (`SFTSetup.step_flops`);
+   `sft.noise.draw_block_size`, or follows `model.block_size_schedule`), AOT-compiled; FLOPs per
+   step (for MFU) from XLA's cost analysis of the lowering with the layers unrolled
+   (`SFTSetup.step_flops`);
 6. `train.loop.run`: resume from `checkpoint.dir` when it holds a checkpoint (then the initial
    weights are never read), eval every `train.eval_every` steps on the held-out split at fixed noise
    levels (and block decoding of held-out prompts: `eval.decode`, `sft.decode_eval`), periodic /
@@ -51,7 +52,7 @@ from sft.decode_eval import decode_line, decode_summary, plot_decode, with_decod
 from sft.init_params import init_state, load_params  # noqa: F401  (load_params: re-exported)
 from sft.lora import describe, frozen_dtype, optimizer_config, train_model_config
 from sft.loss import make_sft_loss
-from sft.noise import draw_block_size
+from sft.noise import check_block_size_schedule, draw_block_size, scheduled_block_size
 from sft.summary import loss_summary, plot_losses
 
 log = logging.getLogger(__name__)
@@ -308,6 +309,9 @@ def run_model_config(cfg: SFTConfig, ck_cfg: ModelConfig | None, tok_dir: Path |
         cfg = replace(cfg, data=replace(cfg.data, tokenizer=None))  # the data reads the subset at tok_dir
         mcfg = subset_model_ids(mcfg, tok_dir, cfg.vocab_subset.pad_to)
     mcfg = resolve_mask_token(mcfg, cfg, tok_dir)
+    if cfg.model.block_size_schedule is not None:  # the sizes may have come from the checkpoint
+        check_block_size_schedule(cfg.model.block_size_schedule, seq_len=cfg.data.seq_len,
+                                  block_sizes=mcfg.block_sizes)
     # the checkpoint and its export say how responses were laid out (the decoder pads prompts to
     # match): the packing alignment `open_data` uses
     align = math.lcm(cfg.data.block_align, block_align_for(mcfg.block_size))
@@ -384,12 +388,14 @@ class _DeviceBatches:
 
 class BlockSizeSteps:
     """The step of multi-size training: block size of update s = `draw_block_size(sizes, seed, s)`,
-    each size AOT-compiled once (its own static shapes). The host keeps the update count (read from
-    the state once), so the draw never waits for the device."""
+    or with `model.block_size_schedule` the size of its stage at s (`scheduled_block_size`), each
+    size AOT-compiled once (its own static shapes). The host keeps the update count (read from the
+    state once), so the choice never waits for the device, and a resume continues the sequence."""
 
     def __init__(self, setup: SFTSetup, abstract_batch: Any):
         self.setup, self.abstract_batch = setup, abstract_batch
         self.sizes = setup.block_sizes
+        self.schedule = setup.cfg.model.block_size_schedule
         self._compiled: dict[int, Any] = {}
         self._next: int | None = None
 
@@ -404,7 +410,9 @@ class BlockSizeSteps:
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         if self._next is None:
             self._next = int(jax.device_get(state.step))
-        bk = draw_block_size(self.sizes, self.setup.cfg.train.seed, self._next)
+        train = self.setup.cfg.train
+        bk = (scheduled_block_size(self.schedule, train.steps, self._next) if self.schedule
+              else draw_block_size(self.sizes, train.seed, self._next))
         self._next += 1
         new_state, metrics = self.compiled(bk)(state, batch)
         if len(self.sizes) > 1:
@@ -499,6 +507,11 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
     cfg, remote_outputs = localize(cfg)  # gs://... inputs staged here, outputs mirrored locally
     check_export_target(cfg)  # a folder the export may not replace fails now, not after training
     setup = prepare(cfg)
+    if cfg.export.adapters:  # an adapter export that would fail fails now, not after training
+        from sft.adapter_export import check_adapter_export
+        from train.optimizer import param_paths
+
+        check_adapter_export(cfg, jax.tree.leaves(param_paths(setup.abstract_state.params)))
     mcfg, run_dir = setup.model_cfg, Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     stats = setup.data.load_stats()
@@ -534,12 +547,20 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
 
         res = run(steps, setup.init_state, batches, config=cfg.trainer_config(), eval_fn=eval_fn,
                   run_config=to_tree(cfg), flops_per_step=flops, peak_flops=peak, on_step=on_step,
-                  on_checkpoint=on_checkpoint, abstract_state=setup.abstract_state, resume_must_match=RESUME_MUST_MATCH)
+                  on_checkpoint=on_checkpoint, abstract_state=setup.abstract_state, resume_must_match=RESUME_MUST_MATCH,
+                  resume_defaults=to_tree(SFTConfig()))
     export_dir = None
-    if cfg.export_dir and not res.preempted and res.nonfinite_step is None and res.step >= cfg.train.steps:
+    finished = not res.preempted and res.nonfinite_step is None and res.step >= cfg.train.steps
+    if cfg.export_dir and finished:
         t0 = time.perf_counter()
         export_dir = export_params(setup.cfg, setup.model_cfg, setup.tok_dir, res.state.params, res.step)
         print_fn(f"exported {cfg.export.format} HF checkpoint to {export_dir} in {time.perf_counter() - t0:.1f} s")
+    if cfg.export.adapters and finished:
+        from sft.adapter_export import export_adapter
+
+        t0 = time.perf_counter()
+        adapter = export_adapter(setup.cfg, setup.model_cfg, res.state.params, res.step)
+        print_fn(f"exported the PEFT LoRA adapter to {adapter} in {time.perf_counter() - t0:.1f} s")
     from train.logging import METRICS_FILE
 
     mpath = run_dir / METRICS_FILE

@@ -31,6 +31,16 @@ on TPU, our flash kernel on GPU), the scores its backward recomputes: per visibl
 does 2 matmuls (q k^T, p v) and autodiff's backward 4 (dv, dp, dq, dk), while the kernels' dq pass
 runs 3 (q k^T, do v^T, ds k) and their dk/dv pass 4 (q k^T, do v^T, p^T do, ds^T q): 3 more, i.e.
 1.5 x the attention forward (``attention_recompute``).
+
+With LoRA adapters (``cfg.lora_rank`` > 0; `clover_jax.model.lora`) every base weight is frozen: the
+backward computes no weight gradient for it (``frozen_weight_grads``: the forward FLOPs of every
+weight matmul, embedding lookup excluded), and the adapters add their own work. ``model`` counts what
+LoRA needs: the adapters factored on every token (``x A`` then ``(x A) B``, forward, input gradient
+and the A / B gradients: 3 x ``adapters``). ``executed`` counts what our layers run: a projection's
+adapter as in ``model``, but the routed experts merge ``W + s A B`` once per micro-batch and layer
+(2 E in r out per weight, ``adapters_run``; its backward is the two products for dA and dB), and
+their grouped matmuls then compute the merged weight's gradient (the tgmm) as full fine-tuning does
+(``weight_grads_run``). MFU of a LoRA plan is thus over the FLOPs LoRA needs, not full fine-tuning's.
 """
 
 from __future__ import annotations
@@ -54,6 +64,10 @@ class StepFlops:
     recompute: float  # the layer stack's forward again (remat full), else 0
     gdn_executed_extra: float = 0.0  # what the GDN kernels run minus the 3 x forward (+ remat) count
     attention_recompute: float = 0.0  # a flash-style attention backward's recomputed scores, else 0
+    frozen_weight_grads: float = 0.0  # LoRA: the weight gradients frozen weights do not need (their forward)
+    adapters: float = 0.0  # LoRA: the adapters' forward, factored per token (what LoRA needs)
+    adapters_run: float = 0.0  # LoRA: the adapters' forward as run (projections factored, expert stacks merged)
+    weight_grads_run: float = 0.0  # LoRA: frozen weight gradients run anyway (the merged experts' tgmm)
 
     @property
     def forward(self) -> float:
@@ -61,14 +75,17 @@ class StepFlops:
 
     @property
     def model(self) -> float:
-        """Forward + backward (2 x forward): the FLOPs MFU counts."""
-        return 3.0 * self.forward
+        """Forward + backward (2 x forward; with LoRA less the frozen weight gradients, plus the
+        factored adapters): the FLOPs MFU counts."""
+        return 3.0 * self.forward - self.frozen_weight_grads + 3.0 * self.adapters
 
     @property
     def executed(self) -> float:
         """What the step runs: model FLOPs + the rematerialised forward + the GDN kernels' extra +
-        the attention kernels' recomputed scores."""
-        return self.model + self.recompute + self.gdn_executed_extra + self.attention_recompute
+        the attention kernels' recomputed scores (LoRA: the adapters as run, not as counted in
+        `model`, and the frozen weight gradients run anyway)."""
+        lora = 3.0 * (self.adapters_run - self.adapters) + self.weight_grads_run
+        return self.model + lora + self.recompute + self.gdn_executed_extra + self.attention_recompute
 
 
 def _dense_per_token(cfg: ModelConfig) -> tuple[float, float]:
@@ -115,10 +132,37 @@ def _gdn_readout_backward_flops(t: int, bs: int, c: int, k: int, v: int) -> floa
     return (t // bs) * (3 * 2 * bs * bs * k + 3 * 2 * bs * bs * v + 3 * 2 * bs * k * v)
 
 
+def _lora_flops(cfg: ModelConfig, tokens: float, micro_batches: int) -> dict[str, float]:
+    """The LoRA terms of `StepFlops` for ``tokens`` token-streams (both streams) per step, from the
+    adapter shapes of the model `cfg` builds (its `lora_targets` decide which weights have one)."""
+    from flax import nnx
+
+    from clover_jax.model.clover_model import abstract_model
+    from clover_jax.model.lora import adapter_pairs
+
+    state = nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param))
+    params = {".".join(map(str, k)): v.get_value() for k, v in state}
+    k = cfg.num_experts_per_tok
+    factored = projections = merge = wgrad = 0.0
+    for base, (a, b) in adapter_pairs(params).items():
+        d_in, r, d_out = a.shape[-2], a.shape[-1], b.shape[-1]
+        if base.endswith(".kernel"):  # a projection [layers, in, out]: every token, factored
+            f = math.prod(a.shape[:-2]) * 2 * r * (d_in + d_out) * tokens
+            factored, projections = factored + f, projections + f
+        else:  # an expert stack [layers, E, in, out]: k of the E experts per token
+            layers, e = math.prod(a.shape[:-3]), a.shape[-3]
+            factored += layers * k * 2 * r * (d_in + d_out) * tokens
+            merge += layers * e * 2 * d_in * r * d_out
+            wgrad += layers * k * 2 * d_in * d_out * tokens
+    return {"adapters": factored, "adapters_run": projections + micro_batches * merge, "weight_grads_run": wgrad}
+
+
 def sft_step_flops(cfg: ModelConfig, *, rows: int, seq_len: int, block_size: int, copies: int = 2,
-                   remat: str = "full", gdn_lanes: int = 1, flash_backward: bool = False) -> StepFlops:
+                   remat: str = "full", gdn_lanes: int = 1, flash_backward: bool = False,
+                   micro_batches: int = 1) -> StepFlops:
     """The analytic count of one SFT step of ``rows`` x ``seq_len`` tokens (module docstring).
     ``remat``: the layer stack's policy; "full" recomputes its forward in the backward.
+    ``micro_batches``: gradient accumulation steps (LoRA: the experts merge their adapters once each).
     ``gdn_lanes``: the GDN kernels run dk, dv rounded up to a multiple of it (executed count only).
     ``flash_backward``: the attention backward runs as split dq / dk-dv kernels that recompute the
     scores (``attn_backend`` splash or flash); False for the jnp reference (autodiff saves them)."""
@@ -145,7 +189,11 @@ def sft_step_flops(cfg: ModelConfig, *, rows: int, seq_len: int, block_size: int
     runs = 2 if remat == "full" else 1  # the GDN forward kernels run once more under remat full
     lm_head = 2.0 * tokens * cfg.hidden_size * cfg.vocab_size
     layers = dense + attention + gdn
+    lora: dict[str, float] = {}
+    if cfg.lora_rank:  # every weight matmul frozen (`dense` counts the depthwise conv taps too: tiny)
+        lora = {**_lora_flops(cfg, 2 * tokens, micro_batches), "frozen_weight_grads": dense + lm_head}
+        layers += lora["adapters_run"]  # inside the layers: recomputed under remat full
     return StepFlops(dense=dense, attention=attention, gdn=gdn, lm_head=lm_head,
                      recompute=layers if remat == "full" else 0.0,
                      gdn_executed_extra=runs * gdn_fwd_run + gdn_bwd_run - (2 + runs) * gdn,
-                     attention_recompute=1.5 * attention if flash_backward else 0.0)
+                     attention_recompute=1.5 * attention if flash_backward else 0.0, **lora)

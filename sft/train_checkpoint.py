@@ -26,7 +26,7 @@ from clover_jax.config import ModelConfig
 from clover_jax.yaml_config import ConfigError
 from sft.config import SFTConfig
 
-__all__ = ["TrainedRun", "export_training_checkpoint", "load_model", "open_training_checkpoint", "training_step_dir"]
+__all__ = ["TrainedRun", "export_training_adapter", "export_training_checkpoint", "load_model", "open_training_checkpoint", "training_step_dir"]
 
 #: the items of a `train.checkpoint` step dir read here
 PARAMS_ITEM, CONFIG_ITEM = "params", "config"
@@ -131,6 +131,18 @@ def export_training_checkpoint(path: str | Path, out: str | Path, *, overwrite: 
     run = open_training_checkpoint(path)
     return export_params(run.cfg, run.model_cfg, run.tok_dir, run.read_params(), run.step, out=out,
                          overwrite=bool(overwrite), **write_kw)
+
+
+def export_training_adapter(path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """`launch.py export --adapters`: the training checkpoint ``path`` of a LoRA run -> PEFT adapter
+    dir ``out`` (what `export.adapters` writes at the end of that run)."""
+    from sft.adapter_export import export_adapter
+
+    run = open_training_checkpoint(path)
+    if not run.model_cfg.lora_rank:
+        raise CheckpointError(f"{run.step_dir}: --adapters: this run trained without adapters (lora.rank 0); "
+                              "export it without --adapters")
+    return export_adapter(run.cfg, run.model_cfg, run.read_params(), run.step, out=out, overwrite=bool(overwrite))
 
 
 def load_model(path: str | Path, **runtime: Any) -> tuple[ModelConfig, Any, Any]:

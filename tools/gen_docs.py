@@ -58,8 +58,13 @@ def _f(x: float | None, nd: int = 2) -> str:
 
 #: file name prefix -> (what it is, measured | predicted, the command that writes it)
 KINDS: list[tuple[str, str, str, str]] = [
+    ("compile_agent_mix_v5p-64_seq8192_moe_bf16", "AOT plan of the SFT step with the bf16 MoE path (no fp32 "
+     "[rows*k, D] buffers): per-chip memory, roofline step time, HBM bytes by category",
+     "predicted", "python launch.py compile --config configs/agent_mix.yaml --topology v5p-64 --breakdown --json F"),
     ("compile_", "AOT plan of the SFT step: per-chip memory of the compiled program, roofline step time",
      "predicted", "python launch.py compile --config C --topology T --json F"),
+    ("gpu_plan", "a TPU-compiled SFT step plan at a GPU host's memory and roofline (no GPU compile: an estimate)",
+     "predicted", "python bench/gpu_plan.py PLAN --chip h100 --out F"),
     ("attention_gpu", "flash-attention kernel vs the dense reference: errors, time, temporaries",
      "measured", "python bench/attention_gpu.py"),
     ("attention", "one attention layer, dense vs splash: per-chip temporaries and FLOPs of the TPU AOT program",
@@ -78,7 +83,8 @@ KINDS: list[tuple[str, str, str, str]] = [
      "predicted", "python bench/gdn_context.py"),
     ("gdn_device", "Pallas GDN kernels vs the XLA path: errors and time",
      "measured", "python bench/gdn_device.py"),
-    ("gdn_kernel_report", "the GDN kernels' matmuls, dependent chains and residual bytes (counted from shapes)",
+    ("gdn_kernel_report", "the GDN kernels' matmuls, dependent chains, residual bytes and triangular inverses "
+     "(counted from shapes)",
      "predicted", "python bench/gdn_kernel_report.py"),
     ("gdn", "GDN chunked path vs transformers' torch function vs the naive scan",
      "measured", "python bench/gdn.py"),
@@ -155,6 +161,35 @@ def _compile_rows(files: list[str]) -> list[str]:
                 f"{'yes' if p['fits'] else '**no**'} | {_f(ratio)} | {_f(r.get('step_s'))} s | "
                 f"{r.get('bound', '-')} | {_f(100 * r['mfu'], 1) + '%' if 'mfu' in r else '-'} | "
                 f"{p.get('compile_seconds', 0):.0f} |")
+    return out
+
+
+def _breakdown_rows(files: list[str]) -> list[str]:
+    """Plans whose walk booked the HBM bytes by category (`train.hlo_breakdown`): TB per chip per step."""
+    from train.hlo_breakdown import CATEGORIES
+
+    plans = [(name, p) for name in files for p in _load(name) if (p.get("hlo_cost") or {}).get("hbm_by_category")]
+    if not plans:
+        return []
+    out = ["| file | " + " | ".join(CATEGORIES) + " | total |", "|---" * (len(CATEGORIES) + 2) + "|"]
+    for name, p in plans:
+        cats = p["hlo_cost"]["hbm_by_category"]
+        out.append(f"| {_link(name)} | " + " | ".join(f"{cats.get(c, 0.0) / 1e12:.2f}" for c in CATEGORIES)
+                   + f" | {p['hlo_cost']['hbm_bytes'] / 1e12:.2f} |")
+    return out
+
+
+def _gpu_plan_rows(files: list[str]) -> list[str]:
+    out = ["| file | GPUs | TPU program | seq | micro-batches | GiB/device (usable) | fits | roofline step | bound "
+           "| MFU <= |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in files:
+        for p in _load(name)["rows"]:
+            r = p["roofline"]
+            out.append(f"| {_link(name)} | {p['devices']} x {p['gpu']} | {p['tpu_program']} | {p['seq_len']} | "
+                       f"{p['micro_batches']} | {p['total_bytes'] / GiB:.1f} "
+                       f"({p['usable_bytes_per_device'] / GiB:.1f}) | "
+                       f"{'yes' if p['fits'] else '**no**'} | {_f(r['step_s'])} s | {r['bound']} | "
+                       f"{_f(100 * r['mfu'], 1)}% |")
     return out
 
 
@@ -252,6 +287,22 @@ def render_results() -> str:
               "compiled step's count over `sft.step_flops`' count of what the step executes; the step time, "
               "bound and MFU are roofline predictions.\n"]
         L += _compile_rows(comp) + [""]
+        split = _breakdown_rows(comp)
+        if split:
+            L += ["HBM bytes per chip per step by category (TB; `launch.py compile --breakdown`: each "
+                  "instruction of the compiled program booked by its source stack frames, "
+                  "`train/hlo_breakdown.py`; the CE at its upper bound, every chunk computed):\n"]
+            L += split + [""]
+
+    gpu = [n for n in names if n.startswith("gpu_plan")]
+    if gpu:
+        L += ["## SFT step plans on a GPU host (predicted from a TPU program)\n",
+              "No GPU compiler runs here: the step compiled for a TPU slice with as many chips as the host has "
+              "GPUs, under the same mesh, read at the GPU's memory (the usable share, "
+              "`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`) and roofline (`bench/gpu_plan.py`). The argument bytes "
+              "(params, optimizer state) carry over to the GPU; the temporaries and HBM bytes are the TPU "
+              "compiler's, an estimate for the GPU's.\n"]
+        L += _gpu_plan_rows(gpu) + [""]
 
     if "decode_cost.json" in names:
         L += ["## Decoding cost of the 35B (predicted)\n",
@@ -430,7 +481,7 @@ def render_config() -> str:
          "[configs/](../../configs/); how they are used: [guides/sft.md](../guides/sft.md).\n",
          "## SFT recipe (`launch.py sft`, `launch.py data`, `launch.py compile`)\n",
          "Top-level keys of a recipe such as `configs/agent_mix.yaml`. The `model:` section takes "
-         "`init_from`, `preset`, `generate_missing`, `seed` and, beside them, any "
+         "`init_from`, `preset`, `generate_missing`, `seed`, `block_size_schedule` and, beside them, any "
          "[model field](#model-fields-model-in-a-recipe-or-a-checkpoints-configjson).\n"]
     FIRST.clear()
     seen: set[type] = {SFTConfig}

@@ -157,6 +157,8 @@ class MemoryPlan:
     xla_flops_per_chip: float = float("nan")  # XLA's cost analysis: every while body counted once
     analytic_flops: float = float("nan")  # the analytic count of what the step executes (all chips)
     tokens_per_step: int = 0  # data tokens per optimizer step (all chips)
+    ce_share: float | None = None  # share of the CE chunks holding loss tokens (None: the upper bound only)
+    breakdown: bool = False  # print the HBM bytes per category (train.hlo_breakdown)
     hlo: Any = field(default=None, repr=False, compare=False)  # train.hlo_cost.HloCost of the program
     executable: Any = field(default=None, repr=False, compare=False)  # the jax Compiled (None if refused)
 
@@ -198,13 +200,16 @@ class MemoryPlan:
         ]
         return "\n".join(lines)
 
-    def roofline(self) -> "roofline_lib.Roofline | None":
-        """The step's roofline on this topology's chip (None: not compiled, or no figures for it)."""
+    def roofline(self, ce_share: float | None = None) -> "roofline_lib.Roofline | None":
+        """The step's roofline on this topology's chip (None: not compiled, or no figures for it);
+        `ce_share`: with the CE's per-chunk branch run in that share of the chunks (else in all)."""
         if self.hlo is None or self.topology.family not in roofline_lib.CHIPS:
             return None
-        return roofline_lib.roofline(self.topology.family, flops=self.flops_per_chip, hbm_bytes=self.hlo.hbm_bytes,
-                                     ici_bytes=sum(self.hlo.ici_bytes.values()), chips=self.topology.chips,
-                                     tokens_per_step=self.tokens_per_step, model_flops=self.model_flops)
+        h, s = self.hlo, (1.0 if ce_share is None else ce_share)
+        return roofline_lib.roofline(self.topology.family, flops=self.flops_per_chip - (h.flops - h.flops_at(s)),
+                                     hbm_bytes=h.hbm_at(s), ici_bytes=sum(h.ici_bytes.values()),
+                                     chips=self.topology.chips, tokens_per_step=self.tokens_per_step,
+                                     model_flops=self.model_flops)
 
     def cost_lines(self) -> list[str]:
         """FLOPs, HBM and collective bytes per chip per step, against the analytic count, and the
@@ -223,6 +228,11 @@ class MemoryPlan:
                      (f" vs the analytic count {self.analytic_flops:.3e} (ratio {ratio:.3f})" if ratio else "") +
                      f"; model FLOPs (MFU) {self.model_flops:.3e}; XLA's cost analysis (loop bodies once) "
                      f"{self.xla_flops_per_chip:.3e}/chip")
+        lines += self.ce_lines()
+        if self.breakdown:
+            from .hlo_breakdown import table
+
+            lines += table(h.hbm_by_category, h.hbm_bytes)
         if h.uncosted:
             lines.append(f"  kernels without a cost (counted as 0 FLOPs): {', '.join(sorted(h.uncosted))}")
         if h.unknown_trips:
@@ -231,9 +241,34 @@ class MemoryPlan:
         lines += r.lines() if r else [f"  roofline: no chip figures for {self.topology.family}"]
         return lines
 
+    def ce_lines(self) -> list[str]:
+        """The CE chunk loop's HBM bytes at the upper bound (every chunk runs its loss branch) and, with
+        `ce_share`, when only that share of the chunks holds loss tokens."""
+        h = self.hlo
+        spread = h.cond_spread.get("CE", [0.0, 0.0])[0]
+        if not spread:
+            return []
+        ce = h.hbm_by_category.get("CE", 0.0)
+        out = [f"  CE chunk loop: {ce / 1e9:,.1f} GB HBM per chip per step at the upper bound (every chunk "
+               f"computed; {spread / 1e9:,.1f} GB of it in the chunks' loss branch)"]
+        if self.ce_share is not None:
+            r = self.roofline(self.ce_share)
+            out.append(f"    with {self.ce_share:.0%} of the chunks holding loss tokens (--ce-share): CE "
+                       f"{(ce - (1 - self.ce_share) * spread) / 1e9:,.1f} GB, step HBM "
+                       f"{h.hbm_at(self.ce_share) / 1e9:,.1f} GB" +
+                       (f", step >= {1e3 * r.step_s:,.1f} ms ({r.bound}), MFU <= {100 * r.mfu:.1f}% (prediction)"
+                        if r else ""))
+        return out
+
     def as_dict(self) -> dict:
-        """The plan as JSON-ready numbers (bytes per chip, FLOPs, the roofline prediction)."""
+        """The plan as JSON-ready numbers (bytes per chip, FLOPs, the roofline prediction; with
+        `ce_share`, the HBM bytes and roofline at that share of CE chunks too)."""
         r = self.roofline()
+        at_share = {}
+        if self.ce_share is not None and self.hlo is not None:
+            rs = self.roofline(self.ce_share)
+            at_share = {"ce_share": self.ce_share, "hbm_bytes_at_ce_share": self.hlo.hbm_at(self.ce_share),
+                        "roofline_at_ce_share": rs.as_dict() if rs else None}
         return {"model": self.model, "params": self.params, "step": self.step_name, "topology": self.topology.name,
                 "chips": self.topology.chips, "hbm_bytes_per_chip": self.topology.hbm_bytes, "mesh": self.mesh_shape,
                 "micro_batches": self.micro_batches, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
@@ -244,7 +279,7 @@ class MemoryPlan:
                 "xla_flops_per_chip": self.xla_flops_per_chip, "analytic_flops": self.analytic_flops,
                 "model_flops": self.model_flops, "tokens_per_step": self.tokens_per_step,
                 "hlo_cost": self.hlo.as_dict() if self.hlo is not None else None,
-                "roofline": r.as_dict() if r else None}
+                "roofline": r.as_dict() if r else None, **at_share}
 
     def suggestions(self) -> list[str]:
         out = []
@@ -394,7 +429,7 @@ def compile_plan(jitted: Any, args: tuple[Any, ...], *, mesh: jax.sharding.Mesh,
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    walked = hlo_cost.analyze(compiled.as_text(), kernel_cost)
+    walked = hlo_cost.analyze(compiled.as_text(), kernel_cost, breakdown=True)
     return MemoryPlan(
         **info, argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
         alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),

@@ -14,7 +14,9 @@ text (`compiled.as_text()`) is walked from the entry computation:
   dynamic-update-slice root writing only its update (in place); top-level slices and updates
   likewise. Operands that stay in VMEM / CMEM are counted as HBM traffic (an upper bound).
 - `call` / `async-start` / `call-start`: the called computation once; `conditional`: the costliest
-  branch (an upper bound: the CE's skip of chunks without loss tokens is data-dependent).
+  branch (an upper bound: the CE's skip of chunks without loss tokens is data-dependent); how much
+  more it costs than the cheapest branch is kept apart (`cond_spread`), so a caller that knows how
+  often the costly branch runs can scale it (`HloCost.hbm_at`).
 - dots / convolutions (TPU lowers dots to convolutions): 2 x output elements x contracted size;
   elementwise ops 1 FLOP per element (transcendentals counted apart), reduces 1 per input element.
 - custom calls (Mosaic / Pallas kernels): their `cost_estimate` (flops, bytes_accessed) from the
@@ -28,6 +30,9 @@ text (`compiled.as_text()`) is walked from the entry computation:
   full buffer for gather / scatter / all-to-all, 2(n-1)/n for all-reduce, all of it for a permute,
   n the replica group size. A ragged all-to-all counts the smaller of its send and receive buffers
   (the MoE dispatch sends every row of its [n k, D] side; the other side is the worst-case buffer).
+
+With `breakdown=True` every HBM byte is also booked to a category (`train.hlo_breakdown`: MoE,
+GDN, attention, CE, ... from the instructions' source stack frames), summing to the total.
 
 The numbers are per device (an SPMD module is one device's program).
 """
@@ -60,7 +65,7 @@ _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "
 # no HBM traffic of their own (views, bookkeeping, or loops whose bodies are counted instead)
 _NO_BYTES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
              "after-all", "partition-id", "replica-id", "opt-barrier", "iota", "call-start", "call-done",
-             "async-start", "async-done", "async-update", "copy-start", "copy-done"}
+             "async-start", "async-done", "async-update", "copy-start", "copy-done", "slice-done"}
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,10 @@ class HloCost:
     """Totals for one run of the module on one device. `kernels`: custom-call kernel name (the
     instruction name without its numeric suffix) -> [runs, FLOPs counted]. `uncosted`: kernels
     without a cost estimate (nor a `kernel_cost` answer): name -> runs. `collective_bytes` /
-    `ici_bytes`: by kind (COLLECTIVE_KINDS). `whiles`: (instruction, trip count, runs)."""
+    `ici_bytes`: by kind (COLLECTIVE_KINDS). `whiles`: (instruction, trip count, runs).
+    `hbm_by_category`: HBM bytes per category (only with `analyze(..., breakdown=True)`; sums to
+    `hbm_bytes`). `cond_spread`: per category of a `conditional` (or "all" without a breakdown),
+    [bytes, FLOPs] by which its costliest branch, the one counted, exceeds its cheapest, x runs."""
 
     flops: float = 0.0
     dot_flops: float = 0.0  # of `flops`: dots and convolutions outside the kernels
@@ -108,6 +116,8 @@ class HloCost:
     uncosted: dict[str, float] = field(default_factory=dict)
     whiles: list[tuple[str, int, float]] = field(default_factory=list)
     unknown_trips: list[str] = field(default_factory=list)
+    hbm_by_category: dict[str, float] = field(default_factory=dict)
+    cond_spread: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, other: "HloCost", times: float = 1.0, fused: bool = False) -> None:
         """self += times * other (`fused`: FLOPs only, a fusion's inner ops touch no HBM)."""
@@ -117,6 +127,8 @@ class HloCost:
         self.transcendentals += times * other.transcendentals
         if not fused:
             self.hbm_bytes += times * other.hbm_bytes
+            for k, v in other.hbm_by_category.items():
+                self.hbm_by_category[k] = self.hbm_by_category.get(k, 0.0) + times * v
         for k in COLLECTIVE_KINDS:
             self.collective_bytes[k] += times * other.collective_bytes[k]
             self.ici_bytes[k] += times * other.ici_bytes[k]
@@ -128,12 +140,32 @@ class HloCost:
             self.uncosted[k] = self.uncosted.get(k, 0.0) + times * n
         self.whiles += [(w, t, times * r) for w, t, r in other.whiles]
         self.unknown_trips += [w for w in other.unknown_trips if w not in self.unknown_trips]
+        for k, (b, f) in other.cond_spread.items():
+            cur = self.cond_spread.setdefault(k, [0.0, 0.0])
+            cur[0] += times * b
+            cur[1] += times * f
+
+    def hbm_at(self, share: float, category: str = "CE") -> float:
+        """HBM bytes when the costlier branch of `category`'s conditionals runs in `share` of their
+        runs (the cheaper one in the rest) instead of in all of them (`hbm_bytes`, the upper bound):
+        e.g. the share of CE chunks holding loss tokens."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"share {share} is not in [0, 1]")
+        return self.hbm_bytes - (1.0 - share) * self.cond_spread.get(category, [0.0, 0.0])[0]
+
+    def flops_at(self, share: float, category: str = "CE") -> float:
+        """`flops` scaled as `hbm_at` scales the bytes."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"share {share} is not in [0, 1]")
+        return self.flops - (1.0 - share) * self.cond_spread.get(category, [0.0, 0.0])[1]
 
     def as_dict(self) -> dict:
         return {"flops": self.flops, "dot_flops": self.dot_flops, "elementwise_flops": self.elementwise_flops,
                 "transcendentals": self.transcendentals, "hbm_bytes": self.hbm_bytes,
                 "collective_bytes": dict(self.collective_bytes), "ici_bytes": dict(self.ici_bytes),
                 "kernels": {k: {"runs": n, "flops": f} for k, (n, f) in sorted(self.kernels.items())},
+                "hbm_by_category": dict(self.hbm_by_category),
+                "cond_spread": {k: {"bytes": b, "flops": f} for k, (b, f) in sorted(self.cond_spread.items())},
                 "uncosted_kernels": dict(sorted(self.uncosted.items())), "unknown_trip_whiles": list(self.unknown_trips)}
 
 
@@ -310,8 +342,9 @@ _PASS_THROUGH = ("pad", "convert", "bitcast", "reshape", "copy")
 
 
 class _Walker:
-    def __init__(self, comps: dict[str, list[Instr]], kernel_cost: KernelCost | None):
-        self.comps, self.kernel_cost = comps, kernel_cost
+    def __init__(self, comps: dict[str, list[Instr]], kernel_cost: KernelCost | None,
+                 categorize: Callable[[Instr], str] | None = None):
+        self.comps, self.kernel_cost, self.categorize = comps, kernel_cost, categorize
         self.memo: dict[str, HloCost] = {}
         self.fusion_io: dict[str, tuple[dict[int, float], float | None]] = {}
         self.shapes = {c: {i.name: i.results for i in ins} for c, ins in comps.items()}
@@ -336,13 +369,15 @@ class _Walker:
         result_bytes = sum(s.bytes for s in ins.results)
         out_elems = sum(s.elements for s in ins.results)
         if op == "fusion":
-            total.hbm_bytes += self._fusion_bytes(ins, shape_of)
+            self._book(ins, total, self._fusion_bytes(ins, shape_of))
         elif op in ("dynamic-slice", "slice"):
-            total.hbm_bytes += 2 * result_bytes  # reads only the slice
+            self._book(ins, total, 2 * result_bytes)  # reads only the slice
+        elif op == "slice-start":  # async slice ((operand), slice, context): reads and writes the slice
+            self._book(ins, total, 2 * (ins.results[-2].bytes if len(ins.results) >= 2 else 0.0))
         elif op == "dynamic-update-slice":
-            total.hbm_bytes += 2 * sum(s.bytes for s in shape_of(ins.operands[1]))  # in place
+            self._book(ins, total, 2 * sum(s.bytes for s in shape_of(ins.operands[1])))  # in place
         elif op not in _NO_BYTES and op != "custom-call":
-            total.hbm_bytes += operand_bytes + result_bytes
+            self._book(ins, total, operand_bytes + result_bytes)
         if op == "while":
             body, cond = _attr(ins.attrs, "body"), _attr(ins.attrs, "condition")
             trips = self._trip_count(comp, ins, body, cond)
@@ -363,7 +398,11 @@ class _Walker:
             names = ([b.strip().lstrip("%") for b in m.group(1).split(",")] if m else
                      [n for n in (_attr(ins.attrs, "true_computation"), _attr(ins.attrs, "false_computation")) if n])
             if names:
-                total.add(max((self.cost(n) for n in names), key=lambda c: c.flops))
+                branches = sorted((self.cost(n) for n in names), key=lambda c: c.flops)
+                total.add(branches[-1])
+                spread = total.cond_spread.setdefault(self.categorize(ins) if self.categorize else "all", [0.0, 0.0])
+                spread[0] += branches[-1].hbm_bytes - branches[0].hbm_bytes
+                spread[1] += branches[-1].flops - branches[0].flops
         elif op in ("dot", "convolution"):
             f = _dot_flops(ins, shape_of)
             total.flops += f
@@ -379,6 +418,13 @@ class _Walker:
                 sum(s.elements for o in ins.operands[: max(len(ins.operands) // 2, 1)] for s in shape_of(o))
             total.flops += n
             total.elementwise_flops += n
+
+    def _book(self, ins: Instr, total: HloCost, nbytes: float) -> None:
+        """`nbytes` of HBM traffic by `ins`: to the total and, with a breakdown, to its category."""
+        total.hbm_bytes += nbytes
+        if self.categorize is not None and nbytes:
+            cat = self.categorize(ins)
+            total.hbm_by_category[cat] = total.hbm_by_category.get(cat, 0.0) + nbytes
 
     def _fusion_bytes(self, ins: Instr, shape_of) -> float:
         """HBM bytes of a fusion: each operand read whole, except one only sliced inside (the slices'
@@ -448,8 +494,9 @@ class _Walker:
     def _custom_call(self, ins: Instr, shape_of, io_bytes: float, total: HloCost) -> None:
         target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
         if target is None or target.group(1) != "tpu_custom_call":
-            total.hbm_bytes += io_bytes if target is None or not target.group(1).startswith(("Allocate", "Assume",
-                                                                                          "Prepare")) else 0
+            # Allocate*/Assume*/Prepare*: bookkeeping; ConcatBitcast: adjacent buffers viewed as one
+            if target is None or not target.group(1).startswith(("Allocate", "Assume", "Prepare", "ConcatBitcast")):
+                self._book(ins, total, io_bytes)
             return
         name = _kernel_name(ins.name)
         est = _cost_estimate(ins.attrs)
@@ -458,11 +505,11 @@ class _Walker:
             est = est if mine is None else mine
         if est is None:
             total.uncosted[name] = total.uncosted.get(name, 0.0) + 1
-            total.hbm_bytes += io_bytes
+            self._book(ins, total, io_bytes)
             return
         flops, nbytes = est
         total.flops += flops
-        total.hbm_bytes += nbytes
+        self._book(ins, total, nbytes)
         cur = total.kernels.setdefault(name, [0.0, 0.0])
         cur[0] += 1
         cur[1] += flops
@@ -541,8 +588,15 @@ class _Walker:
         return None
 
 
-def analyze(text: str, kernel_cost: KernelCost | None = None) -> HloCost:
+def analyze(text: str, kernel_cost: KernelCost | None = None, breakdown: bool = False) -> HloCost:
     """Cost of one run of the module in `text` (`compiled.as_text()`), per device. `kernel_cost`: see
-    `KernelCost` (costs the Pallas kernels: those without an estimate, or re-costs one)."""
+    `KernelCost` (costs the Pallas kernels: those without an estimate, or re-costs one).
+    `breakdown`: also book the HBM bytes per category (`HloCost.hbm_by_category`,
+    `train.hlo_breakdown`) and key `cond_spread` by category."""
     comps, entry = parse_module(text)
-    return _Walker(comps, kernel_cost).cost(entry)
+    categorize = None
+    if breakdown:
+        from .hlo_breakdown import Categorizer
+
+        categorize = Categorizer(text, comps)
+    return _Walker(comps, kernel_cost, categorize).cost(entry)

@@ -162,6 +162,7 @@ def run(
     logger: MetricsLogger | None = None,
     abstract_state: TrainState | None = None,
     resume_must_match: Sequence[str] = (),
+    resume_defaults: Mapping[str, Any] | None = None,
 ) -> LoopResult:
     """Trains until `config.train.steps` updates (counting those of a resumed checkpoint).
 
@@ -177,6 +178,7 @@ def run(
     A `checkpointer` / `logger` passed in is flushed but left open; the ones made here are closed.
     resume_must_match: dotted prefixes of `run_config` that a resumed checkpoint's stored config must
       equal (`train.config_diff`; `train.resume: force` accepts a difference and logs it).
+    resume_defaults: the default `run_config` (a key a checkpoint predates matches at its default).
     """
     say = logger.message if logger is not None else print
     with run_lock([config.checkpoint.dir if checkpointer is None else checkpointer.directory,
@@ -185,13 +187,13 @@ def run(
                     run_config=run_config, flops_per_step=flops_per_step, peak_flops=peak_flops,
                     tokens_per_step=tokens_per_step, on_checkpoint=on_checkpoint, on_step=on_step,
                     checkpointer=checkpointer, logger=logger, abstract_state=abstract_state,
-                    resume_must_match=resume_must_match)
+                    resume_must_match=resume_must_match, resume_defaults=resume_defaults)
 
 
 def _run(train_step: Callable, state: Any, batches: Any, *, config: TrainerConfig, data_state_fn: Any, eval_fn: Any,
          run_config: Any, flops_per_step: Any, peak_flops: Any, tokens_per_step: Any, on_checkpoint: Any,
          on_step: Any, checkpointer: Any, logger: Any, abstract_state: Any,
-         resume_must_match: Sequence[str]) -> LoopResult:
+         resume_must_match: Sequence[str], resume_defaults: Mapping[str, Any] | None) -> LoopResult:
     """`run` inside the run lock."""
     tc, cc = config.train, config.checkpoint
     ckpt, own_ckpt, own_log = checkpointer, False, logger is None
@@ -206,7 +208,7 @@ def _run(train_step: Callable, state: Any, batches: Any, *, config: TrainerConfi
             return
         where = str(ckpt.step_dir(step))
         diff = check_resume_config(stored, run_config or {}, resume_must_match, where=where,
-                                   force=tc.resume == "force")
+                                   force=tc.resume == "force", defaults=resume_defaults)
         if diff:
             log.message(f"train.resume=force: resuming {where} despite {len(diff)} config difference(s): "
                          + "; ".join(diff))

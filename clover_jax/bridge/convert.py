@@ -241,7 +241,7 @@ def _write_hf_dir(
     is replaced whole: no file of the previous model survives); every float tensor is checked for
     NaN / Inf block by block as it streams, and one that has any fails the export naming it.
     ``provenance`` (JSON-able) is written to `EXPORT_INFO_FILE` (the SFT recipe records its run)."""
-    _check_export_target(out, overwrite)
+    check_writable_dir(out, overwrite)
     tok = None
     if format == "clover":
         # before any tensor is written: a tokenizer / mask id mismatch must not leave a half export
@@ -258,11 +258,11 @@ def _write_hf_dir(
         with bounded_host_memory(), ShardedSafetensorsWriter(tmp, max_shard_bytes) as w:
             w.plan(plan)
             for key, blocks in hk.iter_globals_to_hf_blocks(cfg, layout, read_global):
-                w.write_rows(key, _finite_blocks(out, key, blocks))
+                w.write_rows(key, finite_blocks(out, key, blocks))
                 release_host_memory()
             for i in range(cfg.num_hidden_layers):
                 for key, blocks in hk.iter_layer_to_hf_blocks(cfg, layout, i, read_layer(i)):
-                    w.write_rows(key, _finite_blocks(out, key, blocks))
+                    w.write_rows(key, finite_blocks(out, key, blocks))
                 release_host_memory()
         _write_configs(cfg, tmp, source_dir, globals_dtypes["embed.embedding"].name, format,
                        tok[0] if tok is not None else None)
@@ -273,7 +273,7 @@ def _write_hf_dir(
     return out
 
 
-def _check_export_target(out: Path, overwrite: bool) -> None:
+def check_writable_dir(out: Path, overwrite: bool) -> None:
     """``out`` may be written: absent, an empty dir, or (``overwrite``) any dir. Refusing here, before
     any tensor is read, is what keeps an export from replacing a folder that holds another model."""
     if not out.exists():
@@ -287,7 +287,7 @@ def _check_export_target(out: Path, overwrite: bool) -> None:
                               "overwrite=True to replace the whole directory")
 
 
-def _finite_blocks(out: Path, key: str, blocks: Iterable[Any]) -> Iterator[np.ndarray]:
+def finite_blocks(out: Path, key: str, blocks: Iterable[Any]) -> Iterator[np.ndarray]:
     """``blocks`` passed through, each float block checked for NaN / Inf before it is written (so a
     35B export is checked as it streams, without a second pass over the weights)."""
     for block in blocks:

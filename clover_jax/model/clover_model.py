@@ -99,7 +99,8 @@ class CloverModel(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _LMHead(cfg.hidden_size, cfg.vocab_size, rngs=rngs, param_dtype=pd)
         if cfg.lora_rank:
-            add_adapters(self, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets or DEFAULT_TARGETS, rngs)
+            add_adapters(self, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets or DEFAULT_TARGETS, rngs,
+                         strict=bool(cfg.lora_targets))
 
     # ------------------------------------------------------------------------------------------
     def _contexts(self, segment_ids_BT, positions_BT, q_slot_BT, k_slot_BS, k_seg_BS, ring_seg_BL, continues_B,

@@ -77,10 +77,11 @@ def _adapter_params(kernel: nnx.Param, rank: int, key: jax.Array, base_path: str
 
 
 def add_adapters(model: nnx.Module, rank: int, alpha: float, targets: tuple[str, ...], rngs: nnx.Rngs,
-                 prefix: tuple[str, ...] = ()) -> list[str]:
+                 prefix: tuple[str, ...] = (), strict: bool = True) -> list[str]:
     """Attaches adapters to every targeted weight of `model` (in place). Returns the targeted base
-    paths; raises ValueError if a target pattern matches no weight (a typo would silently train
-    nothing there) or if nothing is targeted."""
+    paths; raises ValueError if nothing is targeted, or (`strict`: the user's own targets) if a
+    pattern matches no weight (a typo would silently train nothing there; the defaults name weights
+    a model may lack, e.g. attention in an all-GDN stack)."""
     found: list[str] = []
     hit = {p: False for p in targets}
 
@@ -109,7 +110,7 @@ def add_adapters(model: nnx.Module, rank: int, alpha: float, targets: tuple[str,
                     module.lora_scale = scale_of(rank, alpha)
                     found.append(f"{base}.{n}")
     missing = [p for p, ok in hit.items() if not ok]
-    if missing:
+    if missing and strict:
         raise ValueError(f"lora.targets: pattern {missing[0]!r} matches no projection or expert weight "
                          f"(weights look like: {', '.join(found[:3]) or 'groups.layer_0.attn.q_proj.kernel'})")
     if not found:

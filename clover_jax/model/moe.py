@@ -6,7 +6,10 @@ compute the same function (`ModelConfig.moe_impl`):
 * `ragged`: sort the T*k assignments by expert and run grouped matmuls (`gmm`: `jax.lax.ragged_dot`
   forward and input gradient, the weight gradient by `tgmm`: the megablox kernel on TPU, where
   JAX's own transpose of `ragged_dot` would multiply every row by every local expert's mask; gate
-  and up fused into one n = 2I projection); no capacity, so no token is ever dropped;
+  and up fused into one n = 2I projection); no capacity, so no token is ever dropped. In bf16 no
+  [T*k, D] buffer is fp32: the kernels write bf16 (fp32 accumulation inside), the routing weight
+  scales each row before the down projection (`_swiglu_rows`), and the k rows of a token are
+  gathered and summed in fp32 in one pass (`_combine`), forward and backward;
 * `blocked`: the same sort, then each expert's group is padded to a multiple of a row block and a
   loop runs the used blocks against their expert's weights, with a custom VJP
   (`clover_jax.model.moe_blocked`; the path on GPU, where `ragged_dot` expands to a dense
@@ -39,8 +42,8 @@ from flax import nnx
 
 from clover_jax.parallel import remat, sharding
 from clover_jax.config import ModelConfig
-from clover_jax.model.moe_blocked import blocked_ffn
-from clover_jax.model.moe_capacity import capacity_ffn, experts_capacity
+from clover_jax.model.moe_blocked import blocked_ffn, swiglu_grad
+from clover_jax.model.moe_capacity import capacity_ffn, experts_capacity, gather_rows
 from clover_jax.model import moe_coreset
 from clover_jax.model.lora import expert_weight
 from clover_jax.model.moe_platform import resolve_impl, tgmm_tiling
@@ -79,6 +82,31 @@ def _swiglu(h: jax.Array, u: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return (jax.nn.silu(h) * u).astype(dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _swiglu_rows(hu_MJ: jax.Array, w_M: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`w[:, None] * silu(h) * u` in `dtype` from the gate|up pre-activations hu [M, 2I] and a weight
+    per row (the token's routing weight: applied before the down projection, which is linear, so
+    the combine is a plain sum). Custom VJP: the joined [M, 2I] gradient and the weights' gradient
+    in one elementwise pass (autodiff writes dh and du apart, then pads and adds them)."""
+    i = hu_MJ.shape[-1] // 2
+    return (jax.nn.silu(hu_MJ[:, :i].astype(jnp.float32)) * hu_MJ[:, i:] * w_M[:, None]).astype(dtype)
+
+
+def _swiglu_rows_fwd(hu_MJ, w_M, dtype):
+    return _swiglu_rows(hu_MJ, w_M, dtype), (hu_MJ, w_M)
+
+
+def _swiglu_rows_bwd(dtype, res, ct_MI):
+    hu_MJ, w_M = res
+    i = hu_MJ.shape[-1] // 2
+    ct = ct_MI.astype(jnp.float32)
+    act = jax.nn.silu(hu_MJ[:, :i].astype(jnp.float32)) * hu_MJ[:, i:].astype(jnp.float32)
+    return swiglu_grad(hu_MJ, ct * w_M[:, None]).astype(hu_MJ.dtype), jnp.sum(ct * act, axis=-1).astype(w_M.dtype)
+
+
+_swiglu_rows.defvjp(_swiglu_rows_fwd, _swiglu_rows_bwd)
+
+
 def _precision(dtype: jnp.dtype) -> jax.lax.Precision | None:
     """bf16 operands: default precision, whatever the global setting (TPU's ragged-dot kernel
     rejects an fp32 contract precision on bf16 inputs; the products are exact in bf16 anyway)."""
@@ -86,11 +114,12 @@ def _precision(dtype: jnp.dtype) -> jax.lax.Precision | None:
 
 
 def tgmm(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, platform: str,
-         interpret: bool = False) -> jax.Array:
-    """Per-group `lhs[rows_g].T @ rhs[rows_g]` -> [G, K, N] fp32 (the weight gradient of a grouped
-    matmul). TPU: the megablox `tgmm` Pallas kernel (only each group's rows are multiplied; M is
-    zero-padded to its row tile). Elsewhere: JAX's transpose of `ragged_dot` (a masked dense
-    product: G times the FLOPs, fine for CPU tests)."""
+         interpret: bool = False, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Per-group `lhs[rows_g].T @ rhs[rows_g]` -> [G, K, N] in `out_dtype` (the weight gradient of
+    a grouped matmul; accumulated in fp32 whatever `out_dtype`). TPU: the megablox `tgmm` Pallas
+    kernel (only each group's rows are multiplied; M is zero-padded to its row tile). Elsewhere:
+    JAX's transpose of `ragged_dot` (a masked dense product: G times the FLOPs, fine for CPU
+    tests)."""
     g = group_sizes_G.shape[0]
     m, k = lhs_MK.shape
     n = rhs_MN.shape[1]
@@ -104,20 +133,22 @@ def tgmm(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, platfor
         # the kernel's dots take the global matmul precision; Mosaic rejects fp32 contraction on bf16
         prec = contextlib.nullcontext() if lhs_MK.dtype == jnp.float32 else jax.default_matmul_precision("default")
         with prec:
-            return megablox_tgmm(lhs_p.T, rhs_p, group_sizes_G.astype(jnp.int32), jnp.float32, tiling,
+            return megablox_tgmm(lhs_p.T, rhs_p, group_sizes_G.astype(jnp.int32), out_dtype, tiling,
                                  interpret=interpret)
     zero = jnp.zeros((g, k, n), lhs_MK.dtype)
     _, vjp = jax.vjp(lambda w: jax.lax.ragged_dot(lhs_MK, w, group_sizes_G, preferred_element_type=jnp.float32,
                                                   precision=_precision(lhs_MK.dtype)), zero)
-    return vjp(rhs_MN.astype(jnp.float32))[0].astype(jnp.float32)
+    return vjp(rhs_MN.astype(jnp.float32))[0].astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def gmm(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, platform: str) -> jax.Array:
     """Grouped matmul `out[rows_g] = lhs[rows_g] @ rhs[g]` (rows sorted by group; rows past the
-    groups give 0), [M, N] fp32. Custom VJP: JAX's own transpose computes the weight gradient as a
-    masked dense product over all G groups (on TPU too: G times the FLOPs); here it is `tgmm`."""
-    return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=jnp.float32,
+    groups: unspecified on TPU, 0 elsewhere), [M, N] in lhs' dtype, accumulated in fp32 (a bf16
+    product leaves the kernel in bf16: no fp32 [M, N] buffer and no convert pass over it). Custom
+    VJP: JAX's own transpose computes the weight gradient as a masked dense product over all G
+    groups (on TPU too: G times the FLOPs); here it is `tgmm`, in the weights' dtype."""
+    return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=lhs_MK.dtype,
                               precision=_precision(lhs_MK.dtype))
 
 
@@ -128,71 +159,139 @@ def _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, platform):
 def _gmm_bwd(platform, res, ct_MN):
     lhs_MK, rhs_GKN, group_sizes_G = res
     ct = ct_MN.astype(lhs_MK.dtype)
-    d_lhs = jax.lax.ragged_dot(ct, jnp.swapaxes(rhs_GKN, 1, 2), group_sizes_G, preferred_element_type=jnp.float32,
-                               precision=_precision(lhs_MK.dtype))
-    d_rhs = tgmm(lhs_MK, ct, group_sizes_G, platform)
-    return d_lhs.astype(lhs_MK.dtype), d_rhs.astype(rhs_GKN.dtype), None
+    # the input gradient contracts rhs' N dim in place (no [G, N, K] transposed copy of the weights)
+    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    d_lhs = jax.lax.ragged_dot_general(ct, rhs_GKN, group_sizes_G, dims, precision=_precision(lhs_MK.dtype),
+                                       preferred_element_type=lhs_MK.dtype)
+    d_rhs = tgmm(lhs_MK, ct, group_sizes_G, platform, out_dtype=rhs_GKN.dtype)
+    return d_lhs, d_rhs, None
 
 
 gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def grouped_ffn(xs_MD: jax.Array, group_sizes_G: jax.Array, wi_gate_GDI: jax.Array, wi_up_GDI: jax.Array,
-                wo_GID: jax.Array, impl: str, platform: str | None = None, rows_hint: int | None = None) -> jax.Array:
+                wo_GID: jax.Array, impl: str, platform: str | None = None, rows_hint: int | None = None,
+                padded: bool = True) -> jax.Array:
     """SwiGLU expert g on rows [start_g, start_g + size_g) of `xs` (rows sorted by expert). Rows past
-    `sum(group_sizes)` (buffer padding) come out as exact zeros. Returns [M, D] fp32.
+    `sum(group_sizes)` (buffer padding) come out as exact zeros. Returns [M, D] in xs' dtype.
 
     `impl`: "ragged" (`gmm`: `ragged_dot` with the `tgmm` weight gradient), "blocked" (padded row
     blocks, `moe_blocked.blocked_ffn`), "capacity" (`moe_capacity.capacity_ffn`; `rows_hint`, the
     expected number of real rows of a worst-case-sized buffer, sizes its capacity) or "dense" (every
     row through every expert, masked: the reference). `platform` (default: JAX's backend) picks the
-    `tgmm` implementation."""
+    `tgmm` implementation. `padded=False` promises that the groups cover all M rows (no buffer
+    tail to zero)."""
+    wgu = jnp.concatenate([wi_gate_GDI, wi_up_GDI], axis=-1)
+    return grouped_ffn_fused(xs_MD, group_sizes_G, wgu, wo_GID, impl, platform, rows_hint, padded)
+
+
+def grouped_ffn_fused(xs_MD: jax.Array, group_sizes_G: jax.Array, wgu_GDJ: jax.Array, wo_GID: jax.Array, impl: str,
+                      platform: str | None = None, rows_hint: int | None = None, padded: bool = True,
+                      row_weights_M: jax.Array | None = None) -> jax.Array:
+    """`grouped_ffn` with gate and up as one [G, D, 2I] weight (gate columns first), each row's output
+    scaled by `row_weights_M` [M] when given. [M, D] in xs' dtype: a bf16 product stays bf16
+    between the grouped matmuls (fp32 accumulation inside each)."""
     m, d = xs_MD.shape
-    g = wi_gate_GDI.shape[0]
+    g, i = wgu_GDJ.shape[0], wo_GID.shape[1]
     dt = xs_MD.dtype
-    ends = jnp.cumsum(group_sizes_G)
-    row = jnp.arange(m, dtype=jnp.int32)
-    valid = row < ends[-1]
     if impl == "ragged":
         platform = platform or jax.default_backend()
         gs = group_sizes_G.astype(jnp.int32)
         # gate and up as one n = 2I grouped matmul: one pass over the rows, and a tgmm whose n axis
         # splits over both TensorCores of a megacore chip (moe_platform.tgmm_tiling)
-        i = wi_gate_GDI.shape[-1]
-        hu = gmm(xs_MD, jnp.concatenate([wi_gate_GDI, wi_up_GDI], axis=-1), gs, platform)
-        y = gmm(_swiglu(hu[:, :i], hu[:, i:], dt), wo_GID, gs, platform)
-        return jnp.where(valid[:, None], y, 0.0)
-    group = jnp.searchsorted(ends, row, side="right").astype(jnp.int32)  # G for padding rows
+        hu = gmm(xs_MD, wgu_GDJ, gs, platform)
+        w = jnp.ones((m,), jnp.float32) if row_weights_M is None else row_weights_M.astype(jnp.float32)
+        y = gmm(_swiglu_rows(hu, w, dt), wo_GID, gs, platform)
+        if not padded:  # every row belongs to a group: nothing to zero (no select pass over [M, D])
+            return y
+        valid = jnp.arange(m, dtype=jnp.int32) < jnp.sum(gs)
+        return jnp.where(valid[:, None], y, jnp.zeros((), dt))
+    if row_weights_M is not None:
+        y = grouped_ffn_fused(xs_MD, group_sizes_G, wgu_GDJ, wo_GID, impl, platform, rows_hint, padded)
+        return (y * row_weights_M[:, None]).astype(dt)
+    wg, wu = wgu_GDJ[..., :i], wgu_GDJ[..., i:]
     if impl == "dense":
+        ends = jnp.cumsum(group_sizes_G)
+        group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")  # G for padding rows
         onehot_MG = (group[:, None] == jnp.arange(g)[None]).astype(jnp.float32)
-        h = jnp.einsum("md,gdi->mgi", xs_MD, wi_gate_GDI, preferred_element_type=jnp.float32)
-        u = jnp.einsum("md,gdi->mgi", xs_MD, wi_up_GDI, preferred_element_type=jnp.float32)
+        h = jnp.einsum("md,gdi->mgi", xs_MD, wg, preferred_element_type=jnp.float32)
+        u = jnp.einsum("md,gdi->mgi", xs_MD, wu, preferred_element_type=jnp.float32)
         y = jnp.einsum("mgi,gid->mgd", _swiglu(h, u, dt), wo_GID, preferred_element_type=jnp.float32)
-        return jnp.einsum("mgd,mg->md", y, onehot_MG)
+        return jnp.einsum("mgd,mg->md", y, onehot_MG).astype(dt)
     if impl == "capacity":
-        return capacity_ffn(xs_MD, group_sizes_G, wi_gate_GDI, wi_up_GDI, wo_GID, rows_hint)
+        return capacity_ffn(xs_MD, group_sizes_G, wg, wu, wo_GID, rows_hint).astype(dt)
     if impl != "blocked":
         raise ValueError(f"unknown grouped_ffn impl {impl!r}")
-    return blocked_ffn(xs_MD, group_sizes_G, wi_gate_GDI, wi_up_GDI, wo_GID)
+    return blocked_ffn(xs_MD, group_sizes_G, wg, wu, wo_GID).astype(dt)
 
 
 def combine(y_rows_ND: jax.Array, order_N: jax.Array, weights_TK: jax.Array) -> jax.Array:
-    """Rows in sorted order -> per-token weighted sum over the k choices, [T, D] fp32."""
+    """Rows in sorted order (`order_N[r]`: the assignment token * k + choice of sorted row r) ->
+    per-token weighted sum over the k choices, [T, D] fp32 (`_combine`)."""
     t, k = weights_TK.shape
-    y = jnp.zeros(y_rows_ND.shape, jnp.float32).at[order_N].set(y_rows_ND.astype(jnp.float32))
-    return jnp.einsum("tkd,tk->td", y.reshape(t, k, -1), weights_TK.astype(jnp.float32))
+    return _combine(y_rows_ND, order_N, _inverse(order_N).reshape(t, k), weights_TK.astype(jnp.float32))
+
+
+def _inverse(order_N: jax.Array) -> jax.Array:
+    """The inverse permutation: assignment -> its sorted row."""
+    n = order_N.shape[0]
+    return jnp.zeros((n,), jnp.int32).at[order_N].set(jnp.arange(n, dtype=jnp.int32))
+
+
+@jax.custom_vjp
+def _combine(y_ND: jax.Array, order_N: jax.Array, rank_TK: jax.Array, w_TK: jax.Array | None) -> jax.Array:
+    """`out[t] = sum_j w[t, j] y[rank[t, j]]` (w None: a plain sum), fp32 [T, D]: each token gathers
+    its k rows and sums them in fp32 in one pass; no [N, D] unsorted copy. Custom VJP, by gathers
+    too: a sorted row reads its token's cotangent (autodiff would write the [T, K, D] cotangent out
+    and scatter it back to sorted order)."""
+    y = y_ND.at[rank_TK].get(mode="promise_in_bounds").astype(jnp.float32)  # [T, K, D], fused
+    return jnp.sum(y if w_TK is None else y * w_TK[..., None], axis=1)
+
+
+def _combine_fwd(y_ND, order_N, rank_TK, w_TK):
+    return _combine(y_ND, order_N, rank_TK, w_TK), (y_ND, order_N, rank_TK, w_TK)
+
+
+def _combine_bwd(res, g_TD):
+    y_ND, order_N, rank_TK, w_TK = res
+    k = rank_TK.shape[1]
+    tok = order_N // k
+    if w_TK is None:  # the cotangent rows as they are: gathered in y's dtype, nothing else to compute
+        return g_TD.astype(y_ND.dtype).at[tok].get(mode="promise_in_bounds"), None, None, None
+    w_N = w_TK.reshape(-1)[order_N]
+    dy = (g_TD.at[tok].get(mode="promise_in_bounds") * w_N[:, None]).astype(y_ND.dtype)
+    y = y_ND.at[rank_TK].get(mode="promise_in_bounds").astype(jnp.float32)
+    return dy, None, None, jnp.einsum("tkd,td->tk", y, g_TD)
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def experts_sorted(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EID, *, impl: str,
                    platform: str | None = None) -> jax.Array:
     """Sort the T*k assignments by expert, grouped FFN, unsort, combine: exact, dropless. [T, D] fp32."""
-    k = experts_TK.shape[1]
-    e = wi_gate_EDI.shape[0]
+    wgu = jnp.concatenate([wi_gate_EDI, wi_up_EDI], axis=-1)
+    return _experts_sorted_fused(x_TD, weights_TK, experts_TK, wgu, wo_EID, impl=impl, platform=platform)
+
+
+def _experts_sorted_fused(x_TD, weights_TK, experts_TK, wgu_EDJ, wo_EID, *, impl: str,
+                          platform: str | None = None) -> jax.Array:
+    """`experts_sorted` with gate and up as one [E, D, 2I] weight. The sorted rows are gathered from
+    x (`gather_rows`: their gradient is gathered back too, each token summing its k rows); every
+    sorted row belongs to an expert, so the grouped FFN has no padding to zero. [T, D] fp32."""
+    t, k = experts_TK.shape
     flat_e = experts_TK.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
-    sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-    y = grouped_ffn(x_TD[order // k], sizes, wi_gate_EDI, wi_up_EDI, wo_EID, impl, platform)
-    return combine(y, order, weights_TK)
+    rank = _inverse(order).reshape(t, k)
+    sizes = jnp.bincount(flat_e, length=wgu_EDJ.shape[0]).astype(jnp.int32)
+    xs = gather_rows(x_TD, order // k, rank, True)
+    # each row's routing weight applied inside the FFN (before the down projection), so the combine
+    # is a plain sum whose backward is one gather
+    w_N = weights_TK.astype(jnp.float32).reshape(-1)[order]
+    y = grouped_ffn_fused(xs, sizes, wgu_EDJ, wo_EID, impl, platform, padded=False, row_weights_M=w_N)
+    return _combine(y, order, rank, None)
 
 
 def experts_ragged(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EID) -> jax.Array:
@@ -257,11 +356,11 @@ def _a2a(real: bool, max_chunk: int, axis_name):
     return lambda *a: ragged_all_to_all_emulated(*a, axis_name=axis_name, max_chunk=max_chunk)
 
 
-def _dispatch_a2a(x_ND, w_NK, e_NK, wg, wu, wo, *, axes, ep: int, impl: str, platform: str) -> jax.Array:
+def _dispatch_a2a(x_ND, w_NK, e_NK, wgu, wo, *, axes, ep: int, impl: str, platform: str) -> jax.Array:
     """Tokens sharded over the expert axes: sort by expert, ragged all-to-all to the owning rank,
     regroup by local expert, grouped FFN, all-to-all back, combine. [N, D] fp32."""
     n, k = e_NK.shape
-    el, d = wg.shape[0], x_ND.shape[1]
+    el, d = wgu.shape[0], x_ND.shape[1]
     rank = jax.lax.axis_index(axes)
     flat_e = e_NK.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)  # by expert, hence by destination rank
@@ -279,14 +378,14 @@ def _dispatch_a2a(x_ND, w_NK, e_NK, wg, wu, wo, *, axes, ep: int, impl: str, pla
     key = jnp.searchsorted(jnp.cumsum(mine.reshape(-1)), jnp.arange(ep * cap), side="right")
     local_e = jnp.where(key < ep * el, key % el, el)
     perm = jnp.argsort(local_e, stable=True)
-    y = grouped_ffn(recv[perm], mine.sum(0), wg, wu, wo, impl, platform, rows_hint=n * k)  # mean fill
+    y = grouped_ffn_fused(recv[perm], mine.sum(0), wgu, wo, impl, platform, rows_hint=n * k)  # mean fill
     y_recv = jnp.zeros_like(y).at[perm].set(y).astype(x_ND.dtype)
     back = a2a(y_recv, jnp.zeros((n * k, d), x_ND.dtype), _exclusive_cumsum(recv_sizes), recv_sizes,
                _exclusive_cumsum(s_SD, 1)[:, rank], send_sizes)
     return combine(back, order, w_NK)
 
 
-def _dispatch_ring(x_ND, w_NK, e_NK, wg, wu, wo, *, axes, ep: int, impl: str, platform: str, gather: bool
+def _dispatch_ring(x_ND, w_NK, e_NK, wgu, wo, *, axes, ep: int, impl: str, platform: str, gather: bool
                    ) -> jax.Array:
     """Ring of experts: all-gather the tokens over the expert axes (skipped when they are already
     replicated there), run the local experts on their assignments, reduce-scatter (or psum) the
@@ -295,12 +394,12 @@ def _dispatch_ring(x_ND, w_NK, e_NK, wg, wu, wo, *, axes, ep: int, impl: str, pl
     if gather:
         x_ND, w_NK, e_NK = (jax.lax.all_gather(a, axes, axis=0, tiled=True) for a in (x_ND, w_NK, e_NK))
     n, k = e_NK.shape
-    el, d = wg.shape[0], x_ND.shape[1]
+    el, d = wgu.shape[0], x_ND.shape[1]
     local_e = e_NK.reshape(-1) - jax.lax.axis_index(axes) * el
     local_e = jnp.where((local_e >= 0) & (local_e < el), local_e, el)
     sel = jnp.argsort(local_e, stable=True)[: n * min(k, el)]  # local assignments first
     sizes = jnp.bincount(local_e, length=el + 1)[:el].astype(jnp.int32)
-    y = grouped_ffn(x_ND[sel // k], sizes, wg, wu, wo, impl, platform, rows_hint=max(1, n * k // ep))  # mean fill
+    y = grouped_ffn_fused(x_ND[sel // k], sizes, wgu, wo, impl, platform, rows_hint=max(1, n * k // ep))  # mean fill
     y_tok = jnp.zeros((n, d), jnp.float32).at[sel // k].add(y * w_NK.reshape(-1)[sel][:, None])
     y_tok = y_tok.astype(dt)
     if gather:
@@ -359,15 +458,19 @@ def experts_parallel(x_BTD, weights_BTK, experts_BTK, wi_gate_EDI, wi_up_EDI, wo
 
     def body(x, w, ex, wg, wu, wo):
         bl, tl, _ = x.shape
-        k = ex.shape[-1]
+        k, il = ex.shape[-1], wg.shape[-1]
+        # gate and up joined on this device's shard, then gathered as one [E, D, 2I] weight: the
+        # concat moves 1/FSDP of the weights (its transpose splits the reduce-scattered shard), not a
+        # whole gathered copy per call
+        wgu = jnp.concatenate([wg, wu], axis=-1)
         if gi:
-            wg, wu = (jax.lax.all_gather(a, gi, axis=1, tiled=True) for a in (wg, wu))
+            wgu = jax.lax.all_gather(wgu, gi, axis=1, tiled=True)
         if go:
             wo = jax.lax.all_gather(wo, go, axis=2, tiled=True)
-        args = (x.reshape(bl * tl, d), w.reshape(bl * tl, k), ex.reshape(bl * tl, k), wg, wu, wo)
+        args = (x.reshape(bl * tl, d), w.reshape(bl * tl, k), ex.reshape(bl * tl, k), wgu, wo)
         if ep == 1:
-            y = (EXPERT_IMPLS[impl](*args) if impl in ("dense", "capacity")
-                 else experts_sorted(*args, impl=impl, platform=platform))
+            y = (EXPERT_IMPLS[impl](*args[:3], wgu[..., :il], wgu[..., il:], wo) if impl in ("dense", "capacity")
+                 else _experts_sorted_fused(*args, impl=impl, platform=platform))
         elif not all(over_ep):
             y = _dispatch_ring(*args, axes=ep_axes, ep=ep, impl=impl, platform=platform, gather=False)
         elif dispatch == "ring":

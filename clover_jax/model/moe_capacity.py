@@ -90,22 +90,29 @@ def plan(group_sizes_G: jax.Array, n: int, capacity: int, blk: int) -> Plan:
     return Plan(row_C, slot_N, row0, ends[be], be, bends[-1], real & (rj >= c), c, blk)
 
 
-@jax.custom_vjp
-def gather_rows(x_AD: jax.Array, idx_B: jax.Array, inv_AK: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_rows(x_AD: jax.Array, idx_B: jax.Array, inv_AK: jax.Array, in_bounds: bool = False) -> jax.Array:
     """`out[b] = x[idx[b]]`, zero where `idx[b]` is out of range. `inv_AK[a]` lists the K positions b
     that read row a (out of range: unused); the two maps must be each other's inverse (the VJP
-    gathers the cotangent through `inv` and sums over K). [B, D]."""
-    return jnp.take(x_AD, idx_B, axis=0, mode="fill", fill_value=0)
+    gathers the cotangent through `inv` and sums over K, in fp32). `in_bounds`: the caller promises
+    every index of both maps is in range (no select pass for out-of-range rows). [B, D]."""
+    return _take_rows(x_AD, idx_B, in_bounds)
 
 
-def _gather_rows_fwd(x_AD, idx_B, inv_AK):
-    return gather_rows(x_AD, idx_B, inv_AK), inv_AK
+def _take_rows(x: jax.Array, idx: jax.Array, in_bounds: bool) -> jax.Array:
+    if in_bounds:
+        return x.at[idx].get(mode="promise_in_bounds")
+    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
 
 
-def _gather_rows_bwd(inv_AK, ct_BD):
+def _gather_rows_fwd(x_AD, idx_B, inv_AK, in_bounds):
+    return gather_rows(x_AD, idx_B, inv_AK, in_bounds), inv_AK
+
+
+def _gather_rows_bwd(in_bounds, inv_AK, ct_BD):
     a, k = inv_AK.shape
-    got = jnp.take(ct_BD, inv_AK.reshape(-1), axis=0, mode="fill", fill_value=0)
-    return got.reshape(a, k, -1).sum(axis=1).astype(ct_BD.dtype), None, None
+    got = _take_rows(ct_BD, inv_AK.reshape(-1), in_bounds)
+    return got.reshape(a, k, -1).astype(jnp.float32).sum(axis=1).astype(ct_BD.dtype), None, None
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
@@ -202,5 +209,5 @@ def experts_capacity(x_TD, weights_TK, experts_TK, wi_gate_EDI, wi_up_EDI, wo_EI
     rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))  # its inverse
     sizes = jnp.bincount(flat_e, length=wi_gate_EDI.shape[0])
     y_N = sorted_ffn(x_TD, order // k, rank.reshape(t, k), sizes, wi_gate_EDI, wi_up_EDI, wo_EID)
-    y_A = gather_rows(y_N, rank, order[:, None])
+    y_A = gather_rows(y_N, rank, order[:, None], True)  # two permutations: every index in range
     return jnp.einsum("tkd,tk->td", y_A.reshape(t, k, -1), weights_TK.astype(jnp.float32))

@@ -63,7 +63,7 @@ DEFAULT_RULES: Rules = (
     ("head_dim", ()),
     ("norm", ()),
     ("bd_scalar", ()),
-    ("lora_rank", ()),  # LoRA adapters' rank dim: small, replicated (their other dim follows the base weight)
+    ("lora_rank", ("fsdp",)),  # LoRA rank dim: over fsdp where the factor's other dim is not (wi_gate's B [E, r, I])
 )
 
 

@@ -5,8 +5,9 @@ split (:mod:`pallas_kernels.gdn.phase_math`) that the kernels run.
 These functions work on plain 2-D arrays of ONE (batch, head, value-block) and one chunk, using only
 ops that lower in every Pallas backend we target (Mosaic TPU, Triton GPU, interpret): 2-D dots
 (NN, NT, TN), elementwise math, ``where``, 2-D iota and axis reductions. No slicing of values, no
-transposes of vectors, no cumsum, no triangular solve. The Pallas kernels call them (through the
-phase math) on the blocks they load.
+transposes of vectors, no cumsum, no triangular solve. One exception, the GPU form's triangular
+inverse (:func:`invert_unit_lower_blocked`): it splits and joins values in halves, as Triton and the
+interpreter allow. The Pallas kernels call them (through the phase math) on the blocks they load.
 
 Chunk inputs (C = chunk length, K = key dim, W = width of the value block, a slice of dv):
 
@@ -109,6 +110,83 @@ def invert_unit_lower(A_CC: jax.Array, mm: MatmulPolicy) -> jax.Array:
         T = T - mm.dot(mm.dot(T, jnp.where(off, A_CC, 0.0), exact=True), T, exact=True)
         s += 1
     return T
+
+
+#: the triangular inverses of the chunk matrix (``KernelConfig.inverse``): one interface, (A, mm) -> T
+INVERSES = ("doubling", "blocked")
+#: diagonal tile of the blocked inverse: fla's solve_tril tile, the smallest Triton dot operand
+LEAF = 16
+
+
+def _halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """Two equal halves along ``axis`` (lax.split: Triton lowers equal power-of-two splits)."""
+    a, b = jnp.split(x, 2, axis=axis)
+    return a, b
+
+
+def _join(a: jax.Array, b: jax.Array, axis: int) -> jax.Array:
+    """[a; b] (axis 0) or [a, b] (axis 1) for equal 2-D blocks. Triton lowers a concatenation only of
+    [..., 1] pieces, so: stack on a new last axis (its 2-way join), move that axis in front of
+    ``axis`` and merge the two."""
+    n, m = a.shape
+    s = jnp.stack([a, b], axis=-1)                                   # [n, m, 2]
+    if axis == 0:
+        return jnp.transpose(s, (2, 0, 1)).reshape(2 * n, m)
+    return jnp.transpose(s, (0, 2, 1)).reshape(n, 2 * m)
+
+
+def invert_unit_lower_leaf(A_nn: jax.Array) -> jax.Array:
+    """(I + A)^-1 of a small strictly lower-triangular A [n, n] by forward substitution, no matmul:
+    row r of T is e_r - sum_{m<r} A[r, m] T[m, :] (rows m < r are final by then), n - 1 dependent
+    row steps of elementwise work and one sublane reduction each. Stable like any substitution: no
+    power of A is formed."""
+    n = A_nn.shape[0]
+    i, j = iota2d((n, n), 0), iota2d((n, n), 1)
+    At = jnp.transpose(A_nn)   # column r of A^T = row r of A laid along the sublanes, as the step needs
+    e_1n = iota2d((1, n), 1)
+    T = jnp.where(i == j, 1.0, 0.0).astype(jnp.float32)
+    for r in range(1, n):
+        a_n1 = jnp.sum(jnp.where(j == r, At, 0.0), axis=1, keepdims=True)   # A[r, m] at row m: off the chain
+        row = jnp.where(e_1n == r, 1.0, 0.0) - jnp.sum(a_n1 * T, axis=0, keepdims=True)
+        T = jnp.where(i == r, row, T)
+    return T
+
+
+def invert_unit_lower_blocked(A_CC: jax.Array, mm: MatmulPolicy) -> jax.Array:
+    """(I + A)^-1 for strictly lower-triangular A [C, C], blocked as fla's solve_tril: the LEAF x LEAF
+    diagonal tiles by substitution (:func:`invert_unit_lower_leaf`, all tiles independent), then
+    merged pairwise, LEAF -> 2 LEAF -> ... -> C, by [[A11, 0], [A21, A22]] -> [[T11, 0], [-T22 A21 T11,
+    T22]]: 2 dependent matmuls per merge level on the blocks themselves (16 x 16, 32 x 32, ...), where
+    :func:`invert_unit_lower` runs all 2 log2(C) of its matmuls at C x C x C on masked full matrices.
+    Same interface and the same true-inverse blocks at every step. Value splits and joins: lowers in
+    Triton and the interpreter (the GPU form's default); the TPU form keeps the doubling inverse.
+    C must halve down to <= LEAF (a power of two times at most LEAF, as Triton needs anyway)."""
+    n = A_CC.shape[0]
+    while n > LEAF:
+        if n % 2:
+            raise ValueError(f"blocked inverse: chunk size {A_CC.shape[0]} does not halve to tiles of <= {LEAF}")
+        n //= 2
+    return _blocked(A_CC, mm)
+
+
+def _blocked(A_CC: jax.Array, mm: MatmulPolicy) -> jax.Array:
+    if A_CC.shape[0] <= LEAF:
+        return invert_unit_lower_leaf(A_CC)
+    top, bottom = _halves(A_CC, 0)
+    A11, _ = _halves(top, 1)
+    A21, A22 = _halves(bottom, 1)
+    T11, T22 = _blocked(A11, mm), _blocked(A22, mm)
+    T21 = -mm.dot(mm.dot(T22, A21, exact=True), T11, exact=True)
+    return _join(_join(T11, jnp.zeros_like(T11), 1), _join(T21, T22, 1), 0)
+
+
+def invert(A_CC: jax.Array, mm: MatmulPolicy, inverse: str = "doubling") -> jax.Array:
+    """T = (I + A)^-1 by the named method of :data:`INVERSES` (both exact up to fp32 round-off)."""
+    if inverse == "doubling":
+        return invert_unit_lower(A_CC, mm)
+    if inverse == "blocked":
+        return invert_unit_lower_blocked(A_CC, mm)
+    raise ValueError(f"inverse must be one of {INVERSES}; got {inverse!r}")
 
 
 def _chunk_common(q_CK, k_CK, v_CW, aux_AC, S_KW, scale: float, mm: MatmulPolicy):

@@ -10,8 +10,9 @@ chunk per program. The state's columns are independent in the delta rule, so the
 tiles of W (more programs, a [K, W] carry that fits in registers).
 
 Kernels (grid):
-- ``intra_call`` (B, H, N): T = (I + A)^-1, w, u per chunk (the TPU kernel body, one chunk a step);
-  with ``T_in``: only w, u from the saved inverse (the backward's recompute, no re-inversion).
+- ``intra_call`` (B, H, N): T = (I + A)^-1, w, u per chunk (the TPU kernel body, one chunk a step,
+  by default with the blocked inverse: ``kernel_bodies.FORM_INVERSE``); with ``T_in``: only w, u
+  from the saved inverse (the backward's recompute, no re-inversion).
 - ``sweep_call`` (B, H, NV), sequential: S' = sdec S + kd^T (u - w S), two dependent matmuls per
   chunk; writes every chunk's start state and the final state.
 - ``output_call`` (B, H, N, NV): o = diag(ein) (q s) S + P (u - w S) from the states.
@@ -132,7 +133,7 @@ def intra_call(k, v, aux, *, K: int, cfg: KernelConfig, interpret: bool, T_in=No
     else:
         in_specs, out_specs, out_shape, args = [kq, vw, ax, tt], [kw, vw], wu_shape, (k, v, aux, T_in)
     call = pl.pallas_call(
-        functools.partial(intra_kernel, cfg=cfg, G=1, C=C, with_T_in=T_in is not None),
+        functools.partial(intra_kernel, cfg=cfg, G=1, C=C, with_T_in=T_in is not None, inverse=cfg.inverse_for("gpu")),
         out_shape=out_shape, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_parallel_params(cfg, K, V, interpret), interpret=interpret,
         name="gdn_gpu_wy" if T_in is not None else "gdn_gpu_intra")

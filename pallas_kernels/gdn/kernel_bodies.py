@@ -51,14 +51,32 @@ class KernelConfig:
     block_v: value-tile width W of the GPU form's sweeps and output kernel (None: its launch table,
         :mod:`pallas_kernels.gdn.gpu_calls`); the TPU form always takes the whole dv.
     low_dtype: operand dtype of the chunk matmuls for low-precision inputs (None = fp32 HIGHEST).
+    inverse: the intra kernel's triangular inverse, one of ``chunk_math.INVERSES`` (None: the form's
+        default, :data:`FORM_INVERSE`).
     """
     chunk_size: int = 64
     scale: float = 1.0
     block_v: int | None = None
     low_dtype: str | None = None
+    inverse: str | None = None
+
+    def __post_init__(self):
+        if self.inverse is not None and self.inverse not in cm.INVERSES:
+            raise ValueError(f"KernelConfig.inverse must be one of {cm.INVERSES} or None; got {self.inverse!r}")
 
     def mm(self) -> cm.MatmulPolicy:
         return cm.MatmulPolicy(None if self.low_dtype is None else jnp.dtype(self.low_dtype))
+
+    def inverse_for(self, form: str) -> str:
+        """The triangular inverse the ``form`` ("tpu" / "gpu") runs."""
+        return self.inverse or FORM_INVERSE[form]
+
+
+#: each form's default inverse. GPU: the blocked one (16 x 16 diagonal tiles, then merges: 4 dependent
+#: matmuls of 16 / 32 wide blocks instead of 12 of 64 x 64 x 64, which Triton runs as fp32 FMA, not
+#: on tensor cores). TPU: the doubling one, unchanged (its splits of a [64, 64] value into 16-lane
+#: pieces would be relayouts in Mosaic; not measured).
+FORM_INVERSE = {"tpu": "doubling", "gpu": "blocked"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +121,7 @@ def call_dims(q, v, aux, K: int):
     return B, Tp, H, HK, V, C, N, H // HK
 
 
-def intra_kernel(*refs, cfg, G, C, with_T_in):
+def intra_kernel(*refs, cfg, G, C, with_T_in, inverse: str = "doubling"):
     if with_T_in:
         k_ref, v_ref, aux_ref, Tin_ref, w_ref, u_ref = refs
     else:
@@ -115,7 +133,7 @@ def intra_kernel(*refs, cfg, G, C, with_T_in):
         if with_T_in:
             T = Tin_ref[j]
         else:
-            T = pm.chunk_inverse(k, aux, mm)
+            T = pm.chunk_inverse(k, aux, mm, inverse)
             T_ref[j] = T
         w, u = pm.chunk_wy(k, v, aux, T, mm)
         w_ref[rows, :] = w.astype(w_ref.dtype)

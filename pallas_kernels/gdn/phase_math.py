@@ -49,12 +49,13 @@ def _scalars(aux_AC: jax.Array) -> dict[str, jax.Array]:
 
 # ------------------------------------------------------------------------------------------ phase a
 
-def chunk_inverse(k_CK: jax.Array, aux_AC: jax.Array, mm: MatmulPolicy) -> jax.Array:
-    """T = (I + A)^-1 [C, C] fp32 (A = diag(beta) (k k^T) * E_ut); the inverse always at fp32 HIGHEST."""
+def chunk_inverse(k_CK: jax.Array, aux_AC: jax.Array, mm: MatmulPolicy, inverse: str = "doubling") -> jax.Array:
+    """T = (I + A)^-1 [C, C] fp32 (A = diag(beta) (k k^T) * E_ut); the inverse always at fp32 HIGHEST,
+    by the method ``inverse`` of ``chunk_math.INVERSES``."""
     x = _scalars(aux_AC)
     k = k_CK.astype(f32)
     A = x["beta"] * mm.dot(k, k, DIMS_NT) * x["E_ut"]
-    return cm.invert_unit_lower(A, mm)
+    return cm.invert(A, mm, inverse)
 
 
 def chunk_wy(k_CK, v_CW, aux_AC, T_CC, mm: MatmulPolicy) -> tuple[jax.Array, jax.Array]:
@@ -65,9 +66,10 @@ def chunk_wy(k_CK, v_CW, aux_AC, T_CC, mm: MatmulPolicy) -> tuple[jax.Array, jax
     return w, u
 
 
-def chunk_intra(k_CK, v_CW, aux_AC, mm: MatmulPolicy) -> tuple[jax.Array, jax.Array, jax.Array]:
+def chunk_intra(k_CK, v_CW, aux_AC, mm: MatmulPolicy,
+                inverse: str = "doubling") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Phase a of one chunk: (T, w, u)."""
-    T = chunk_inverse(k_CK, aux_AC, mm)
+    T = chunk_inverse(k_CK, aux_AC, mm, inverse)
     return (T,) + chunk_wy(k_CK, v_CW, aux_AC, T, mm)
 
 

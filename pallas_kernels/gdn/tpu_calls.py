@@ -52,7 +52,7 @@ def _params(n_parallel: int, sequential: bool):
 # ----------------------------------------------------------------------------- per-step cost fns
 
 def intra_step(k, v, aux, *, cfg):
-    return pm.chunk_intra(k, v, aux, cfg.mm())
+    return pm.chunk_intra(k, v, aux, cfg.mm(), cfg.inverse_for("tpu"))
 
 
 def wy_step(k, v, aux, T, *, cfg):
@@ -132,7 +132,7 @@ def intra_call(k, v, aux, *, K: int, cfg: KernelConfig, interpret: bool, T_in=No
         in_specs, out_specs, out_shape, args = [kq, vw, ax, tt], [kw, vw], wu_shape, (k, v, aux, T_in)
         cost = _cost(wy_step, base + (spec((C, C), f32),), cfg, B * H * N, args, out_shape)
     call = pl.pallas_call(
-        functools.partial(intra_kernel, cfg=cfg, G=G, C=C, with_T_in=T_in is not None),
+        functools.partial(intra_kernel, cfg=cfg, G=G, C=C, with_T_in=T_in is not None, inverse=cfg.inverse_for("tpu")),
         out_shape=out_shape, grid=(B, H, N // G), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_params(2, sequential=False), interpret=interpret,
         name="gdn_wy" if T_in is not None else "gdn_intra", cost_estimate=cost)

@@ -1,10 +1,12 @@
 """bench/gdn_kernel_report.py: the structure it reads from the kernel jaxprs, checked as properties.
 
 Independent facts of the phase split (issue 17), in both forms (TPU Mosaic, GPU Triton): the
-recursive-block inverse (2 log2(C) = 12 dependent C x C x C matmuls at C = 64) lives only in the
-parallel intra-chunk kernel; no sequential kernel holds a C x C x C matmul and each sequential step
-is at most 3 dependent matmuls deep. Block mode (block 32) sweeps chunks of 64, not chunks forced to
-the block. The residual counts are checked against hand arithmetic of the 35B layer's shapes.
+triangular inverse lives only in the parallel intra-chunk kernel (TPU: the doubling recursion, 2
+log2(C) = 12 dependent C x C x C matmuls at C = 64; GPU: the blocked one, 16 x 16 diagonal tiles by
+substitution merged by 2 matmuls per level on 16 and 32 wide blocks); no sequential kernel holds a
+C x C x C matmul and each sequential step is at most 3 dependent matmuls deep. Block mode (block 32)
+sweeps chunks of 64, not chunks forced to the block. The residual counts and the inverse's matmul
+counts are checked against hand arithmetic.
 """
 
 from __future__ import annotations
@@ -34,8 +36,31 @@ def test_only_the_parallel_kernel_inverts(rep, side):
     for r in seq:
         assert inverse not in r["matmul_shapes"] and r["dependent_matmuls_per_step"] <= 3, r
     intra = next(r for r in rep[side] if r["kernel"].endswith("intra"))
-    assert not intra["sequential"] and inverse in intra["matmul_shapes"]
-    assert intra["dependent_matmuls_per_step"] >= 12                    # the 2 log2(C) inverse chain
+    assert not intra["sequential"]
+    levels = C.bit_length() - 1                                          # log2(C)
+    if side.endswith("tpu"):   # the doubling inverse: 2 log2(C) dependent C x C x C matmuls
+        assert inverse in intra["matmul_shapes"] and intra["dependent_matmuls_per_step"] >= 2 * levels
+    else:   # blocked: k k^T, 2 per merge level 16 -> C, then the WY product
+        assert inverse not in intra["matmul_shapes"] and "16x16x16" in intra["matmul_shapes"]
+        assert intra["dependent_matmuls_per_step"] == 1 + 2 * (levels - 4) + 1
+
+
+def test_inverse_counts_by_hand(rep):
+    """Per C x C chunk matrix: doubling, 2 log2(C) levels of 2 C x C x C matmuls, all dependent;
+    blocked, per merge level of b-wide blocks (b = 16, 32, ...) C / 2b merges of 2 b x b x b matmuls,
+    2 of them on the chain per level, after the 16 x 16 substitution's 15 row steps (+ the first
+    row's extraction: 16 dependent reductions)."""
+    C = rep["shapes"]["C"]
+    inv, levels = rep["inverse"], C.bit_length() - 1
+    d, b = inv["doubling"], inv["blocked"]
+    assert d["forms"] == ["tpu"] and b["forms"] == ["gpu"]
+    assert d["matmuls"] == d["dependent_matmuls"] == 2 * levels
+    assert d["macs"] == d["dependent_macs"] == 2 * levels * C ** 3
+    widths = [16 << i for i in range(levels - 4)]                       # 16, 32 at C = 64
+    assert b["matmuls"] == sum(C // (2 * w) * 2 for w in widths) and b["dependent_matmuls"] == 2 * len(widths)
+    assert b["macs"] == sum(C // (2 * w) * 2 * w ** 3 for w in widths)
+    assert b["dependent_macs"] == sum(2 * w ** 3 for w in widths) and b["dependent_reductions"] == 16
+    assert d["dependent_reductions"] == 0
 
 
 def test_chunks_per_step(rep):

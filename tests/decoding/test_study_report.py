@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from clover_jax.decoding.study_report import (ar_quality, native_by_threshold, penalty_matrix, recovery, summarize,
@@ -105,3 +106,57 @@ def test_report_lists_the_ar_ceilings_by_block_size_mix_last(tmp_path):
                        "validity": v, "tokens_per_forward": 1.0} for t, v in (("mix", 0.97), (8, 0.99))]
     text = write_report(tmp_path, rows, quality="validity", threshold=0.9, command="cmd").read_text()
     assert "of the same models: trained 8 0.990, trained 32 1.000, trained mix 0.970." in text
+
+
+def test_intervals_by_hand():
+    """t-intervals over seeds (t quantiles from the table: t(0.975, 1) = 12.7062, t(0.975, 2) = 4.30265),
+    Welch-Satterthwaite for a difference of two models, and the percentile bootstrap against the exact
+    resampling distribution."""
+    from clover_jax.decoding.study_stats import Interval, bootstrap_indices, bootstrap_interval, t_interval
+
+    lo, hi = t_interval([[0.6, 0.7, 0.8]])  # mean 0.7, sd 0.1
+    assert (lo, hi) == (pytest.approx(0.7 - 4.30265 * 0.1 / 3**0.5, abs=1e-5), pytest.approx(0.7 + 0.248415, abs=1e-5))
+    # model A [0.5, 0.7] minus model B [0.1, 0.3]: se^2 = 0.01 + 0.01, df = 0.02^2 / (0.01^2 + 0.01^2) = 2
+    lo, hi = t_interval([[0.5, 0.7], [-0.1, -0.3]])
+    assert (lo, hi) == (pytest.approx(0.4 - 4.30265 * 0.02**0.5, abs=1e-5), pytest.approx(0.4 + 0.608494, abs=1e-5))
+    assert t_interval([[0.5, 0.7], [0.3]]) is None  # a model with one seed: no interval over seeds
+    assert t_interval([[0.5, 0.5], [0.2, 0.2]]) == (pytest.approx(0.7), pytest.approx(0.7))
+    # 4 prompts scored 1, 1, 0, 1: a resample's mean is Binomial(4, 3/4) / 4, P(0) = 1/256, P(1/4) = 12/256,
+    # P(1) = 81/256: the 2.5% and 97.5% points are 1/4 and 1
+    idx = bootstrap_indices(4)
+    assert bootstrap_interval(np.asarray([1.0, 1.0, 0.0, 1.0])[idx].mean(axis=1)) == (0.25, 1.0)
+    assert Interval(-0.5, (-0.9, -0.1), (-0.8, -0.2)).separated
+    assert not Interval(-0.5, (-0.9, 0.1), (-0.8, -0.2)).separated and Interval(-0.5, (-0.9, 0.1), (-0.8, -0.2)).prompts_only
+    assert not Interval(-0.5, None, (-0.8, -0.2)).separated and Interval(-0.5, None, (-0.8, -0.2)).prompts_only
+
+
+def _seeded_rows():
+    """Models 8 and 32, three seeds each, decoded at 8 and 32 on 4 prompts (per-prompt scores):
+    each native, all right; 32 at 8 right on prompt 0 in seed 1 only; 8 at 32 right on prompts 0, 1."""
+    per = {(8, 8): [[1, 1, 1, 1]] * 3, (32, 32): [[1, 1, 1, 1]] * 3, (8, 32): [[1, 1, 0, 0]] * 3,
+           (32, 8): [[0, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]]}
+    rows = []
+    for (t, d), seeds in per.items():
+        for s, v in enumerate(seeds):
+            rows.append({"mode": "threshold", "trained": t, "seed": s, "block_size": d, "threshold": 0.9,
+                         "gamma": "learned", "alpha_scale": 1.0, "beta_shift": 0.0, "validity": sum(v) / 4,
+                         "tokens_per_forward": 2.0, "per_prompt": {"validity": v, "tokens": [2, 4, 2, 4], "nfe": [1, 2, 1, 2]}})
+    return rows
+
+
+def test_report_cells_are_means_over_seeds_with_hand_computed_intervals(tmp_path):
+    """32 at 8: seeds 0, 0.25, 0 (mean 1/12, sd 0.1443: +-4.30265 * 0.0833 = 0.359 over seeds); over
+    prompts, a resample's mean is k/12 with k ~ Binomial(4, 1/4) (copies of prompt 0): P(k = 0) =
+    0.32, P(k >= 3) = 0.051 > 2.5% > P(k = 4): the interval is [0, 3/12], half-width 0.125. Its penalty
+    against native 8 (1.0 in every seed and prompt) is those minus 1: separated (*). 8 at 32 is 0.5 in
+    every seed (seed interval of width 0) but its prompt interval [-1, 0] (P(all four right) = 1/16)
+    holds 0: not separated."""
+    text = write_report(tmp_path, _seeded_rows(), quality="validity", threshold=0.9, command="cmd").read_text()
+    assert "| 32 | -0.917 ±0.359 (±0.125)\\* | +0.000 |" in text
+    assert "| 8 | +0.000 | -0.500 ±0.000 (±0.500) |" in text
+    assert "| 32 | 0.083 ±0.359 (±0.125) | 1.000 ±0.000 (±0.000) |" in text
+    assert "| 8 | 2.00 ±0.00 (±0.00) | 2.00 ±0.00 (±0.00) |" in text  # tokens / forward: 2 on every resample
+    assert "The intervals separate 1 of 2 differences: 32 vs native 8 at block 8 (-0.917)." in text
+    assert penalty_matrix(_seeded_rows(), "validity", 0.9)[(32, 8)] == pytest.approx(1 / 12 - 1)
+    with pytest.raises(ValueError, match=r"two rows for trained 8, block 8, threshold 0.9, calibration 'learned', seed 2"):
+        penalty_matrix(_seeded_rows() + _seeded_rows()[2:3], "validity", 0.9)

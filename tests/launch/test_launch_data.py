@@ -63,6 +63,27 @@ def test_data_prints_the_mix_table_and_marked_samples(tok, tmp_path, capsys):
     assert user in body
 
 
+def test_data_estimates_the_share_of_ce_chunks_holding_loss_tokens(tok, tmp_path, capsys):
+    """By hand: on 4 chips (v5p-8) a chip holds 4 rows x 2 complementary copies x 1024 / 4 = 2048 CE
+    positions per micro-batch, 8 chunks of 256; a loss token is masked in one of the two copies (mean
+    level 1/2), so ceil(loss share / 2 x 2048 / 256) of the 8 chunks hold one. The loss share lies
+    below the non-pad share of the rows."""
+    import math
+
+    f, _ = _recipe(tmp_path)
+    rc, out, err = run_main(["data", "--config", str(f), "--batches", "2", "--topology", "v5p-8",
+                             "loss.chunk_tokens=256"], capsys)
+    assert rc == 0, err
+    pad = float(re.search(r"padding ([\d.]+)%", out).group(1)) / 100
+    m = re.search(r"loss tokens: ([\d.]+)% of the rows' tokens, masked: ([\d.]+)% .* on 4 chips each sweeps 2048 "
+                  r"positions per micro-batch in 8 chunks of 256: about ([\d.]+) of them .*--ce-share ([\d.]+)\)", out)
+    assert m, out
+    loss, masked, share = float(m.group(1)) / 100, float(m.group(2)) / 100, float(m.group(3))
+    assert 0 < loss < 1 - pad and masked == pytest.approx(loss / 2, abs=6e-4)
+    assert share == pytest.approx(min(8, math.ceil(math.ceil(masked * 2048) / 256)) / 8, abs=0.005)
+    assert m.group(3) == m.group(4) and 0 < share < 1  # a partial share, not the trivial ends
+
+
 def test_data_errors_name_the_file_and_line(tok, tmp_path, capsys):
     f, root = _recipe(tmp_path)
     # a missing data_root: the sources and where the README says how to fetch them (a config error: 1)

@@ -216,7 +216,7 @@ def test_gradients_reach_clover_parameters():
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(target)[..., None], -1)[..., 0]
         return jnp.sum(jnp.where(masked, nll, 0.0)) / jnp.sum(masked)
 
-    grads = nnx.to_flat_state(jax.grad(loss)(params))
+    grads = nnx.to_flat_state(jax.jit(jax.grad(loss))(params))  # one program (op by op: a compile per op)
     seen = 0
     for path, g in grads:
         if path[-1] in ("bd_gdn_softmax_scalars", "right"):

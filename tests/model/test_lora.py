@@ -45,7 +45,7 @@ def test_adapters_sit_on_the_default_targets_with_their_shapes_and_axes():
     assert "groups.layer_0.moe.router.lora_a" not in flat  # the router is not a default target
     assert all(flat[k].dtype == jnp.float32 for k in flat if lora.is_adapter(k))
     assert all(not np.any(flat[k]) for k in flat if k.endswith("lora_b"))
-    # logical axes: the adapter's outer dims follow its base weight, the rank dim is replicated
+    # logical axes: the adapter's outer dims follow its base weight, the rank dim has its own name
     specs = flatten(sh.param_specs(model, jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1),
                                                             sh.MESH_AXES)))
     assert len(specs["groups.layer_0.moe.wi_gate_lora_a"]) == 4
@@ -127,3 +127,11 @@ def test_adapter_init_follows_the_path_not_the_order():
 def test_a_target_that_matches_nothing_is_an_error_naming_it():
     with pytest.raises(ValueError, match=r"q_projj"):
         create_model(CFG.replace(lora_rank=RANK, lora_targets=(r"\.attn\.q_projj\.kernel$",)), 0)
+
+
+def test_default_targets_fit_a_stack_without_attention():
+    """The defaults name attention projections; an all-GDN model simply has none to adapt."""
+    cfg = CFG.replace(num_hidden_layers=2, layer_types=("linear_attention", "linear_attention"),
+                      lora_rank=RANK)
+    flat = flatten(model_to_params(create_model(cfg, 0)))
+    assert "groups.layer_0.gdn.in_proj_q.lora_a" in flat and not any(".attn." in k for k in flat)

@@ -32,6 +32,10 @@ def model():
 #: 0.5-2e-6 here). Issue 14 item 10: one criterion of fp32 round-off, not a host-dependent atol.
 REL = FP32_REL
 
+#: the forward as one compiled program per model structure and input shape (op by op, every op of
+#: the forward would compile on its own: most of this file's time)
+forward = nnx.jit(lambda m, ids, segment_ids=None: m(ids, segment_ids=segment_ids))
+
 
 def _ids(seed, b, t):
     return jnp.asarray(np.random.RandomState(seed).randint(0, CFG.vocab_size, (b, t)))
@@ -49,16 +53,16 @@ def test_packed_rows_equal_separate_documents(model):
     ids = jnp.concatenate(docs[:2] + [jnp.zeros((1, pad), jnp.int32)] + docs[2:], axis=1)
     seg = np.concatenate([np.full(lens[0], 1), np.full(lens[1], 2), np.zeros(pad, int),
                           np.full(lens[2], 3), np.full(lens[3], 4)])[None]
-    packed = model(ids, segment_ids=jnp.asarray(seg, jnp.int32))
+    packed = forward(model, ids, segment_ids=jnp.asarray(seg, jnp.int32))
     starts = [0, lens[0], lens[0] + lens[1] + pad, lens[0] + lens[1] + pad + lens[2]]
     for doc, s in zip(docs, starts):
-        alone = model(doc)
+        alone = forward(model, doc)
         assert_rel_close(packed[:, s:s + doc.shape[1]], alone, REL, f"document at {s}")
 
 
 def test_cached_decoding_equals_full_forward(model):
     ids = _ids(0, 2, 29)
-    full = model(ids)
+    full = forward(model, ids)
     cache = model.init_cache(2, 32)
     extend = nnx.jit(lambda m, x, c: m.extend(x, c))
     logits, cache = extend(model, ids[:, :11], cache)  # prefill
@@ -74,25 +78,26 @@ def test_cached_extend_with_new_document_resets(model):
     """A document started after cached tokens of another one sees none of them."""
     a, b_ = _ids(3, 1, 10), _ids(4, 1, 7)
     cache = model.init_cache(1, 20)
-    _, cache = model.extend(a, cache, segment_ids=jnp.ones((1, 10), jnp.int32))
-    out, _ = model.extend(b_, cache, positions=jnp.arange(7)[None], segment_ids=jnp.full((1, 7), 2))
-    assert_rel_close(out, model(b_), REL, "new document after cached tokens")
+    extend = nnx.jit(lambda m, x, c, pos, seg: m.extend(x, c, positions=pos, segment_ids=seg))
+    _, cache = extend(model, a, cache, None, jnp.ones((1, 10), jnp.int32))
+    out, _ = extend(model, b_, cache, jnp.arange(7)[None], jnp.full((1, 7), 2))
+    assert_rel_close(out, forward(model, b_), REL, "new document after cached tokens")
 
 
 def test_scan_equals_python_loop(model):
     ids = _ids(5, 2, 20)
     loop = model_from_params(CFG.replace(scan_layers=False), model_to_params(model))
     # fp32 round-off criterion of the parity tests: max |diff| <= 1e-5 * max |ref| (logits reach ~3
-    # with the randomised weights; the op-by-op loop and the compiled scan body round differently)
-    assert_rel_close(model(ids), loop(ids), 1e-5, "scan vs python loop")
+    # with the randomised weights; the unrolled loop and the scan body round differently)
+    assert_rel_close(forward(model, ids), forward(loop, ids), 1e-5, "scan vs python loop")
 
 
 def test_model_moe_paths_agree(model):
     ids = _ids(6, 2, 24)
     params = model_to_params(model)
-    dense = model_from_params(CFG.replace(moe_impl="dense"), params)(ids)
+    dense = forward(model_from_params(CFG.replace(moe_impl="dense"), params), ids)
     for impl in ("ragged", "blocked", "capacity"):
-        out = model_from_params(CFG.replace(moe_impl=impl), params)(ids)
+        out = forward(model_from_params(CFG.replace(moe_impl=impl), params), ids)
         assert_rel_close(out, dense, REL / 2, impl)  # the old absolute 1e-5 at this scale
 
 
@@ -128,10 +133,11 @@ def test_moe_paths_equal_dense_with_skewed_routing(impl):
     wg, wu = jax.random.normal(ks[2], (e, d, i)) / d**0.5, jax.random.normal(ks[3], (e, d, i)) / d**0.5
     wo = jax.random.normal(ks[4], (e, i, d)) / i**0.5
     fn = EXPERT_IMPLS[impl]
-    assert_rel_close(fn(x, w, ex, wg, wu, wo), experts_dense(x, w, ex, wg, wu, wo), FP32_REL, f"{impl}: output")
+    assert_rel_close(jax.jit(fn)(x, w, ex, wg, wu, wo), jax.jit(experts_dense)(x, w, ex, wg, wu, wo), FP32_REL,
+                     f"{impl}: output")
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
-    g1 = jax.grad(loss(fn), argnums=(0, 1, 3, 4, 5))(x, w, ex, wg, wu, wo)
-    g2 = jax.grad(loss(experts_dense), argnums=(0, 1, 3, 4, 5))(x, w, ex, wg, wu, wo)
+    g1 = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 3, 4, 5)))(x, w, ex, wg, wu, wo)
+    g2 = jax.jit(jax.grad(loss(experts_dense), argnums=(0, 1, 3, 4, 5)))(x, w, ex, wg, wu, wo)
     for name, a, b in zip(("x", "weights", "wi_gate", "wi_up", "wo"), g1, g2):
         assert_rel_close(a, b, FP32_REL, f"{impl}: grad {name}")
 

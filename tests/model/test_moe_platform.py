@@ -102,7 +102,8 @@ def test_the_check_flags_dense_and_ragged_paths():
 def test_tpu_aot_fused_gate_up_compiles_with_megablox_tgmm():
     """`ragged` on TPU at a small width, compiled for v5p from this host (libtpu, no chip): gate and up
     run as ONE ragged dot of n = 2I, and the weight gradients are megablox tgmm kernels of shapes
-    [G, D, 2I] (fused gate / up) and [G, I, D] (down)."""
+    [G, D, 2I] (fused gate / up) and [G, I, D] (down). bf16 operands: every grouped matmul writes
+    bf16 (fp32 accumulation stays inside the kernel), so no fp32 [M, .] buffer leaves one."""
     import os
 
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # see tests/kernels/gdn/test_aot.py
@@ -121,6 +122,7 @@ def test_tpu_aot_fused_gate_up_compiles_with_megablox_tgmm():
     args = (sd((m, d)), sd((g, d, i)), sd((g, d, i)), sd((g, i, d)), sd((g,), jnp.int32))
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower().compile().as_text()
     # XLA:TPU runs ragged dots as its own Mosaic kernels ("ragged-dot-*" custom calls)
-    assert re.search(rf"%ragged-dot\S* = f32\[{m},{2 * i}\]\S* custom-call\(", hlo)  # fused gate / up forward
-    tgmm = re.findall(r"%\S*tgmm\S* = f32\[(\d+),(\d+),(\d+)\]\S* custom-call\([^\n]*tpu_custom_call", hlo)
-    assert sorted(set(tgmm)) == sorted({(str(g), str(d), str(2 * i)), (str(g), str(i), str(d))}), tgmm
+    assert re.search(rf"%ragged-dot\S* = bf16\[{m},{2 * i}\]\S* custom-call\(", hlo)  # fused gate / up forward
+    assert not re.search(r"%ragged-dot-none\S* = f32", hlo), "a grouped matmul writes fp32"
+    tgmm = re.findall(r"%\S*tgmm\S* = (\w+)\[(\d+),(\d+),(\d+)\]\S* custom-call\([^\n]*tpu_custom_call", hlo)
+    assert sorted(set(tgmm)) == sorted({("bf16", str(g), str(d), str(2 * i)), ("bf16", str(g), str(i), str(d))}), tgmm

@@ -99,11 +99,12 @@ def _batches(length: int, block: int):
     return {k: jnp.asarray(np.stack([b[k] for b in each])) for k in each[0]}
 
 
-def _train(params, batches, block: int, mesh=None, layout: str = "contiguous"):
+def _train(params, batches, block: int, mesh=None, layout: str = "contiguous", base_cfg=CFG):
     """STEPS SGD steps in one program: per step (loss, AR logits of the plain forward, block logits,
     gradients), stacked, and the final params. Loss = next-token CE of the clean stream + masked-token
-    CE of the block predictions + 0.01 * lb loss. `layout`: the model's context layout."""
-    cfg = CFG.replace(context_layout=layout)
+    CE of the block predictions + 0.01 * lb loss. `layout`: the model's context layout; `base_cfg`:
+    the model (default `CFG`)."""
+    cfg = base_cfg.replace(context_layout=layout)
     graphdef, _ = nnx.split(abstract_model(cfg))
 
     def loss_fn(p, b):

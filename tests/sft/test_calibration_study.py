@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sft.calibration_study import Steps, StudyConfig, run_study
 
@@ -22,13 +23,18 @@ def _row(mode, k, th, gamma, q):
             "beta_shift": 0.0, "validity": q, "bfcl_accuracy": q, "tokens_per_forward": 1.0 + k / 8}
 
 
-def _steps(calls: list, fail_train: set | None = None) -> Steps:
-    def train(run: Path, sizes):
+def _steps(calls: list, fail_train: set | None = None, overrides: dict | None = None) -> Steps:
+    def train(run: Path, over):
         calls.append(("train", run.name))
+        if overrides is not None:
+            overrides[run.name] = over
         if fail_train and run.name in fail_train:
             raise RuntimeError("preempted")
+        size = yaml.safe_load(next(o for o in over if o.startswith("model.block_size=")).split("=", 1)[1])
+        seed = next((int(o.split("=")[1]) for o in over if o.startswith("train.seed=")), 0)
         (run / "hf").mkdir(parents=True, exist_ok=True)
-        (run / "hf" / "config.json").write_text(json.dumps({"sizes": list(sizes)}))
+        (run / "hf" / "config.json").write_text(json.dumps({"sizes": size if isinstance(size, list) else [size],
+                                                            "seed": seed}))
         return run / "hf"
 
     def fit(hf, out, cal, sizes):
@@ -161,3 +167,129 @@ def test_stored_models_stand_in_for_training_on_a_fresh_checkout(tmp_path):
     calls.clear()
     run_study(cfg("runs4"), _steps(calls), command="cmd", print_fn=lambda s: None)
     assert [c for c in calls if c[0] == "train"] == [("train", "train_32")]
+
+
+def _with_details(steps: Steps, n_prompts: int = 10) -> Steps:
+    """The stand-in sweep, plus per-example records (as `calibrate.run_setting` writes them): the
+    first round(q * n) prompts right, 2 tokens in 1 forward each; the rows' numbers become those
+    records' means, so rows and records agree as a real sweep's do."""
+    def sweep(hf, out, ev, sizes, thresholds, cals):
+        steps.sweep(hf, out, ev, sizes, thresholds, cals)
+        res = json.loads((out / "results.json").read_text())
+        res["details"] = []
+        for r in res["rows"]:
+            right = round(r["validity"] * n_prompts)
+            ex = [{"valid": float(i < right), "bfcl": float(i < right), "exact": 0.0, "tokens": 2, "nfe": 1}
+                  for i in range(n_prompts)]
+            r.update(validity=right / n_prompts, bfcl_accuracy=right / n_prompts, exact_match=0.0, tokens_per_forward=2.0)
+            res["details"].append({"setting": r, "examples": ex})
+        (out / "results.json").write_text(json.dumps(res))
+
+    return Steps(train=steps.train, fit=steps.fit, sweep=sweep)
+
+
+def test_seeds_and_the_curriculum_model_train_store_and_report_with_intervals(tmp_path):
+    """`seeds`: seed k > 0 of a model is trained with the recipe's train / data / model seeds + k, stored
+    as <name>_seed<k> (seed 0 keeps <name>, so round-1 models stay valid); `curriculum`: a model trained
+    with model.block_size_schedule over the schedule's sizes. Rows carry seed and per-prompt results,
+    measured.json keeps them, a rerun runs nothing, and the report gives each cell over its seeds with
+    intervals (the Welch interval of a penalty by hand)."""
+    cfg = StudyConfig(recipe=str(ROOT / "configs" / "research_tool.yaml"), runs_dir=str(tmp_path / "runs"),
+                      train_block_sizes=(8, 32), mix=(8, 32), curriculum=((0.0, 8), (0.5, 32)),
+                      seeds={"default": 2, "mix": 3, "curriculum": 1}, bfcl=str(BFCL), eval_n=20, calibration_n=8,
+                      decode_block_sizes=(8, 32), thresholds=(0.9,), quality="validity",
+                      report_dir=str(tmp_path / "report"), store_dir=str(tmp_path / "store"))
+    calls, over = [], {}
+    base = _steps(calls, overrides=over)
+    seeded = base.sweep
+
+    def sweep(hf, out, ev, sizes, thresholds, cals):  # seed 1 of a model loses 0.1 more where mismatched
+        seeded(hf, out, ev, sizes, thresholds, cals)
+        seed = json.loads((Path(hf) / "config.json").read_text()).get("seed", 0)
+        res = json.loads((out / "results.json").read_text())
+        for r in res["rows"]:
+            if r["mode"] == "threshold" and r["validity"] < 1.0:
+                r["validity"] = r["bfcl_accuracy"] = round(r["validity"] - 0.1 * seed, 6)
+        (out / "results.json").write_text(json.dumps(res))
+
+    md = run_study(cfg, _with_details(Steps(base.train, base.fit, sweep)), command="cmd", print_fn=lambda s: None)
+    trained = [c[1] for c in calls if c[0] == "train"]
+    assert trained == ["train_8", "train_32", "train_mix", "train_curriculum", "train_8_seed1", "train_32_seed1",
+                       "train_mix_seed1", "train_mix_seed2"]
+    assert over["train_mix"] == ("model.block_size=[8, 32]",)  # seed 0: the recipe's own seeds (round 1)
+    assert over["train_mix_seed2"] == ("model.block_size=[8, 32]", "data.seed=2", "model.seed=2", "train.seed=2")
+    assert over["train_curriculum"] == ("model.block_size=[8, 32]", "model.block_size_schedule=[[0.0, 8], [0.5, 32]]")
+    store = tmp_path / "store"
+    meta = json.loads((store / "mix_seed2" / "study_model.json").read_text())["recipe"]
+    assert (meta["train"]["seed"], meta["data"]["seed"], meta["model"]["seed"]) == (2, 2, 2)
+    curriculum = json.loads((store / "curriculum" / "study_model.json").read_text())["recipe"]["model"]
+    assert curriculum["block_size_schedule"] == [[0.0, 8], [0.5, 32]]
+    assert curriculum["overrides"]["block_size"] == [8, 32]
+    rows = json.loads((store / "32_seed1" / "measured.json").read_text())["rows"]
+    assert {r["seed"] for r in rows} == {1} and all(len(r["per_prompt"]["validity"]) == 10 for r in rows)
+    cell = next(r for r in rows if r["mode"] == "threshold" and r["block_size"] == 8 and r["gamma"] == "learned")
+    assert cell["validity"] == 0.5 and cell["per_prompt"]["validity"] == [1] * 5 + [0] * 5
+
+    text = md.read_text()
+    # 32 at 8: seeds 0.6 / 0.5 against native 8's 1.0 / 1.0: -0.45 +- t(0.975, df 1) * 0.05 (Welch: the
+    # native model's seeds agree, so df = n_32 - 1 = 1), and a prompt interval
+    row32 = next(line for line in text.splitlines() if line.startswith("| 32 | -0.450 ±0.635 (±"))
+    assert "+0.000" in row32
+    # the mix is native everywhere: its seeds agree; the curriculum has one seed: a prompt interval only
+    assert "| mix | +0.000 ±0.000 (±0.000) | +0.000 ±0.000 (±0.000) |" in text
+    assert "| curriculum | +0.000 (±0.000) | +0.000 (±0.000) |" in text
+    # only the prompt interval separates mix - 32 at block 8 (°): the seed interval holds 0
+    assert "| mix - 32 | +0.450 ±0.635 (±0.300)° | +0.000 ±0.000 (±0.000) |" in text
+    assert "| curriculum - mix | +0.000 (±0.000) | +0.000 (±0.000) |" in text
+    assert "The intervals separate none of the 10 differences." in text
+    calls.clear()
+    run_study(cfg, _with_details(Steps(base.train, base.fit, sweep)), command="cmd", print_fn=lambda s: None)
+    assert calls == []
+
+
+def test_per_prompt_results_must_give_the_rows_numbers(tmp_path):
+    """A sweep whose per-example records do not average to its rows is refused, naming the file."""
+    cfg = StudyConfig(runs_dir=str(tmp_path / "runs"), train_block_sizes=(8,), mix=(), bfcl=str(BFCL), eval_n=10,
+                      calibration_n=4, decode_block_sizes=(8,), thresholds=(0.9,), quality="validity",
+                      report_dir=str(tmp_path / "report"))
+    steps = _with_details(_steps([]))
+
+    def sweep(hf, out, ev, sizes, thresholds, cals):
+        steps.sweep(hf, out, ev, sizes, thresholds, cals)
+        res = json.loads((out / "results.json").read_text())
+        res["rows"][0]["validity"] -= 0.1
+        (out / "results.json").write_text(json.dumps(res))
+
+    with pytest.raises(ValueError, match=r"sweep/results.json: the per-example records give validity 1.0, the row 0.9"):
+        run_study(cfg, Steps(steps.train, steps.fit, sweep), command="cmd", print_fn=lambda s: None)
+
+
+def test_seeds_name_models_of_the_study():
+    from clover_jax.yaml_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"study.seeds.curriculum: not a model of the study \(default, 32, 8, mix\)"):
+        StudyConfig(train_block_sizes=(8, 32), seeds={"curriculum": 3})
+    with pytest.raises(ConfigError, match=r"study.seeds.8: must be >= 1"):
+        StudyConfig(train_block_sizes=(8, 32), seeds={8: 0})
+    with pytest.raises(ConfigError, match=r"study.curriculum: the first stage must start at fraction 0"):
+        StudyConfig(curriculum=((0.5, 8),))
+
+
+def test_the_study_config_trains_nothing_already_stored():
+    """A dry run of configs/calibration_study.yaml against the committed models/calibration_study: the
+    round-1 models (seed 0 of 4, 8, 16, 32 and the mix) are stored and measured under this config, so
+    a run trains only the new seeds and the curriculum; nothing is run or written outside runs_dir."""
+    from sft.calibration_study import load_study_config
+
+    said: list[str] = []
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_study_config(ROOT / "configs" / "calibration_study.yaml", [
+            f"study.runs_dir={tmp}", "study.dry_run=true", f"study.bfcl={BFCL}",
+            f"study.recipe={ROOT / 'configs' / 'research_tool.yaml'}", f"study.store_dir={ROOT / 'models' / 'calibration_study'}"])
+        assert run_study(cfg, Steps(None, None, None), command="cmd", print_fn=said.append) is None
+    for b in (4, 8, 16, 32, "mix"):
+        assert any(s.startswith(f"study (dry run): {b}: stored in ") and "; measured" in s for s in said), said
+    assert any(s.startswith("study (dry run): curriculum: to train") for s in said)
+    assert said[-1] == "study (dry run): 15 models, 10 to train, 10 to measure"

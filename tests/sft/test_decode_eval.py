@@ -1,19 +1,19 @@
 """`eval.decode` (sft.decode_eval): decode quality measured during SFT training.
 
-(a) On the cached trained task model (tests/decode_fixtures.py), a 2-step `launch.py sft` run
-    (negligible lr) with a decode eval at its last step: the logged ``decode/*`` values equal an independent decode of the
-    run's exported params through the public API (`load_hf`, `Decoder`, `metrics`) on the same
-    held-out prompts (the first eval-split records, rendered as `launch.py calibrate` does) with the
-    same settings; decode.png and the summary's decode fields are written.
-(b) The embedded default (configs/sft_tiny.yaml scaled down as test_sft_recipe.py does, through a
-    real `launch.py sft` subprocess, running beside (a)): ``decode/*`` keys appear in metrics.jsonl
-    at the multiples of eval.decode.every only, and in the console rows of those steps.
+One `launch.py sft` run (a subprocess) on the cached trained task model (tests/decode_fixtures.py),
+4 steps at a negligible lr, CE evals every 2 steps and a decode eval every 4:
+(a) the logged ``decode/*`` values equal an independent decode of the run's exported params through
+    the public API (`load_hf`, `Decoder`, `metrics`) on the same held-out prompts (the first
+    eval-split records, rendered as `launch.py calibrate` does) with the same settings; decode.png
+    and the summary's decode fields are written;
+(b) ``decode/*`` keys appear in metrics.jsonl at the multiples of eval.decode.every only (step 4,
+    not the CE eval at step 2), and in the console rows of those steps.
 (c) Bad settings fail at load in one line naming the key (exit 2 through launch.py);
-    `train.eval_every: 0` turns decode evals off without an error.
+    `train.eval_every: 0` turns decode evals off without an error; the embedded default
+    (configs/sft_tiny.yaml) has them on.
 (d) A prompts file: missing, without assistant turns, a non-JSON line, a prompt too long for the
     context: one error naming the file (and line); a good one gives its first `prompts` records.
-The two runs go side by side in the background (2 cores), with XLA's backend optimisation off
-(faster compiles); (a)'s direct decode runs while (b)'s process is still training.
+The run goes in the background while the config and prompts-file tests run.
 """
 
 from __future__ import annotations
@@ -24,38 +24,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = "--xla_backend_optimization_level=0"  # as test_sft_recipe.py: same semantics, faster compiles
-
-TINY_YAML = """\
-base_config: {base}
-model:
-  init_from: {run}/init_hf
-  num_hidden_layers: 2
-  layer_types: [linear_attention, full_attention]
-  block_size: 16
-data:
-  seq_len: 64
-  batch_size: 2
-  eval_fraction: 0.1
-  sources:
-    - {{name: synthetic, format: synthetic, options: {{n_records: 120, seed: 0}}}}
-eval:
-  t_values: [0.5]
-  max_batches: 1
-  decode: {{every: 4, prompts: 2, max_new_tokens: 16}}
-train: {{steps: 4, eval_every: 2, log_every: 1}}
-checkpoint: {{every_steps: 0}}
-logging: {{run_dir: {run}, console_every: 1, progress: "off", wandb: {{mode: disabled}}}}
-export: {{enabled: false}}
-count_flops: false
-devices: 1
-"""
-
 
 FIXTURE_YAML = """\
 model: {{init_from: {ck}, dtype: float32}}
@@ -64,8 +38,8 @@ data:
   batch_size: 2
   eval_fraction: 0.2
   sources: [{{name: task, format: chat, path: {data}}}]
-eval: {{t_values: [0.5], max_batches: 1, decode: {{every: 2, prompts: 4, max_new_tokens: 32, threshold: 0.9}}}}
-train: {{steps: 2, eval_every: 2, log_every: 1}}
+eval: {{t_values: [0.5], max_batches: 1, decode: {{every: 4, prompts: 4, max_new_tokens: 32, threshold: 0.9}}}}
+train: {{steps: 4, eval_every: 2, log_every: 1}}
 optimizer: {{lr: 1.0e-7, warmup_steps: 0}}
 checkpoint: {{every_steps: 0, save_final: false}}
 logging: {{run_dir: {run}, console_every: 1, progress: "off", wandb: {{mode: disabled}}}}
@@ -76,23 +50,25 @@ devices: 1
 
 
 def _launch(cfg: Path, run: Path):
-    """A background `launch.py sft --config cfg` process; returns `result() -> (rc, output, run)`."""
-    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " " + FAST, "WANDB_MODE": "disabled",
-           "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+    """A background `launch.py sft --config cfg` process (conftest's XLA flags: fast compiles); returns
+    `result() -> (rc, output, run)`, waiting for it on the first call."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "sft", "--config", str(cfg)], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done: list[tuple[int, str, Path]] = []
 
     def result() -> tuple[int, str, Path]:
-        out, _ = proc.communicate(timeout=1200)
-        return proc.returncode, out, run
+        if not done:
+            out, _ = proc.communicate(timeout=1200)
+            done.append((proc.returncode, out, run))
+        return done[0]
 
     return proc, result
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Both runs as background processes, side by side: {"fixture": (result, records, config),
-    "tiny": result}."""
+def run(tmp_path_factory):
+    """The run as a background process: (result, config)."""
     from tests.decode_fixtures import eval_records, task_records, trained_checkpoint
 
     tmp = tmp_path_factory.mktemp("decode_eval")
@@ -100,21 +76,17 @@ def runs(tmp_path_factory):
     (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     fx = tmp / "fixture.yaml"
     fx.write_text(FIXTURE_YAML.format(ck=trained_checkpoint(), data=tmp / "data.jsonl", run=tmp / "fixture"))
-    tiny = tmp / "tiny.yaml"
-    tiny.write_text(TINY_YAML.format(base=ROOT / "configs" / "sft_tiny.yaml", run=tmp / "tiny"))
-    p1, r1 = _launch(fx, tmp / "fixture")
-    p2, r2 = _launch(tiny, tmp / "tiny")
-    yield {"fixture": (r1, fx), "tiny": r2}
-    for p in (p1, p2):
-        if p.poll() is None:
-            p.kill()
+    proc, result = _launch(fx, tmp / "fixture")
+    yield result, fx
+    if proc.poll() is None:
+        proc.kill()
 
 
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
 
 
-def test_logged_decode_metrics_equal_a_direct_decoder_run(runs):
+def test_logged_decode_metrics_equal_a_direct_decoder_run(run):
     from clover_jax.api import load_hf
     from clover_jax.bridge.tokenizer import load_tokenizer
     from clover_jax.decoding import metrics as ev
@@ -123,11 +95,11 @@ def test_logged_decode_metrics_equal_a_direct_decoder_run(runs):
     from sft.config import load_sft_config
     from sft.data.sources import load_source
 
-    result, cfg = runs["fixture"]
+    result, cfg = run
     rc, printed, run = result()
     assert rc == 0, printed[-3000:]
     logged = [r for r in _metrics(run) if "decode/validity" in r]
-    assert [r["step"] for r in logged] == [2]
+    assert [r["step"] for r in logged] == [4]
     got = logged[0]
 
     # independently: the exported params, the first 4 eval-split records with tools, the public API
@@ -181,8 +153,9 @@ def test_logged_decode_metrics_equal_a_direct_decoder_run(runs):
     assert "decode evals: 1, validity" in printed
 
 
-def test_embedded_default_logs_decode_metrics_at_their_steps(runs):
-    rc, out, run = runs["tiny"]()
+def test_decode_metrics_are_logged_at_their_steps_only(run):
+    result, _ = run
+    rc, out, run = result()
     assert rc == 0, out[-3000:]
     recs = _metrics(run)
     assert [r["step"] for r in recs if "eval/loss" in r] == [2, 4]
@@ -195,7 +168,6 @@ def test_embedded_default_logs_decode_metrics_at_their_steps(runs):
     rows = {int(m[1]): ln for ln in out.splitlines() if (m := re.match(r"\s*(\d+)/\d+ \|", ln))}
     assert "decode/validity=" in rows[4] and "decode/tokens_per_forward=" in rows[4]
     assert "eval/loss=" in rows[2] and "decode/" not in rows[2]
-    assert (run / "decode.png").is_file()
 
 
 @pytest.mark.parametrize("override, key", [
@@ -213,14 +185,19 @@ def test_bad_decode_settings_fail_at_load_naming_the_key(override, key):
 
 def test_train_eval_every_0_turns_decode_evals_off_without_an_error():
     from sft.config import load_sft_config
+    from sft.decode_eval import with_decode_eval
 
     cfg = load_sft_config(ROOT / "configs" / "sft_tiny.yaml", ["train.eval_every=0"])
     assert cfg.eval.decode.every == 100 and cfg.train.eval_every == 0
+    ce_eval = object()  # off: the CE eval comes back as it was, no DecodeEval built (it would need data)
+    assert with_decode_eval(SimpleNamespace(cfg=cfg), ce_eval) is ce_eval
+    # the embedded default decodes 4 held-out prompts at every 100th step, an eval step
+    default = load_sft_config(ROOT / "configs" / "sft_tiny.yaml")
+    dc, eval_every = default.eval.decode, default.train.eval_every
+    assert (dc.every, dc.prompts) == (100, 4) and eval_every > 0 and dc.every % eval_every == 0
 
 
 def test_prompts_file_errors_name_the_file_and_line(tmp_path):
-    from types import SimpleNamespace
-
     from clover_jax.bridge.tokenizer import load_tokenizer
     from clover_jax.input_file import InputFileError
     from clover_jax.yaml_config import ConfigError

@@ -1,9 +1,12 @@
-"""The SFT recipe with `lora:` (sft.lora): what trains, in which dtype, exact resume, merged export.
+"""The SFT recipe with `lora:` (sft.lora, sft.adapter_export): what trains, in which dtype, exact
+resume, the merged export and the PEFT adapter (`export.adapters`, `launch.py export --adapters`).
 
 One tiny run (2-layer tiny-qwen3.6, real vocabulary, bf16 compute, rank-4 adapters on the default
-targets) of 4 steps, and the same run resumed from its step-2 checkpoint to 4; checked against the
-init params read back from the checkpoint (frozen: bit-identical, in bf16), the uninterrupted run
-(resume: bit-identical losses and params) and the adapted model's forward (the merged HF export).
+targets, a fp32 qwen export and its adapter) of 4 steps, and the same run resumed from its step-2
+checkpoint to 4; checked against the init params read back from the checkpoint (frozen:
+bit-identical, in bf16), the uninterrupted run (resume: bit-identical losses and params), the
+adapted model's forward (the merged HF export) and transformers + peft (the adapter on the init
+checkpoint gives the merged export's logits).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ train: {{steps: {steps}, eval_every: 0, log_every: 1, seed: 7, compiler_options:
 optimizer: {{lr: 1.0e-2, warmup_steps: 1}}
 checkpoint: {{every_steps: 2, keep: 10, async_save: false}}
 logging: {{run_dir: {run}, console_every: 1, progress: "off", wandb: {{mode: disabled}}}}
-export: {{dir: {run}/hf, dtype: float32}}
+export: {{dir: {run}/hf, dtype: float32, format: qwen, adapters: true}}
 devices: 1
 count_flops: false
 """
@@ -84,12 +87,12 @@ def runs(tmp_path_factory):
     final_a, losses_a = _run(cfg_a)
     # run b = run a stopped after step 2 (its run dir up to the step-2 checkpoint), resumed to the end
     shutil.copytree(run_a, run_b, ignore=shutil.ignore_patterns("hf", "init_hf", str(STEPS)))
-    final_b, losses_b = _run(_cfg(tmp, run_b, init, STEPS, "export.enabled=false"))
+    final_b, losses_b = _run(_cfg(tmp, run_b, init, STEPS, "export.enabled=false", "export.adapters=false"))
     assert sorted(p.name for p in (run_b / "checkpoints").iterdir() if p.name.isdigit()) == ["2", str(STEPS)]
     setup = prepare(cfg_a)
     start = flatten(jax.device_get(load_params(setup.kind, setup.init_path, setup.model_cfg, cfg_a.model.seed)))
-    return {"cfg": cfg_a, "setup": setup, "start": start, "a": final_a, "b": final_b,
-            "losses_a": losses_a, "losses_b": losses_b}
+    return {"cfg": cfg_a, "setup": setup, "start": start, "a": final_a, "b": final_b, "run": run_a,
+            "losses_a": losses_a, "losses_b": losses_b, "tmp": tmp}
 
 
 def test_only_adapters_and_full_trainables_train_and_the_base_stays_in_bf16(runs):
@@ -117,8 +120,8 @@ def test_a_resumed_run_is_bit_identical(runs):
 
 
 def test_the_merged_export_is_the_adapted_model(runs):
-    """The run's HF export (adapters merged, plain Clover checkpoint: no adapter tensors, no LoRA in
-    its config) gives the adapted model's logits (fp32)."""
+    """The run's HF export (adapters merged, a plain checkpoint: no adapter tensors, no LoRA in its
+    config) gives the adapted model's logits (fp32)."""
     from flax import nnx
 
     from clover_jax.api import load_hf
@@ -148,3 +151,67 @@ def test_lora_with_optimizer_trainable_is_refused(tmp_path):
         optimizer_config(cfg)
     with pytest.raises(ConfigError, match="lora.dropout"):
         _cfg(tmp_path, tmp_path / "r", tmp_path / "r" / "init", 2, "lora.dropout=0.1")
+
+
+# ------------------------------------------------------------------------------------ PEFT adapter
+REL = 2e-5
+
+
+def test_the_runs_adapter_on_transformers_gives_its_merged_exports_logits(runs):
+    import peft
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from tests.hf_fixtures import hf_logits
+
+    run = runs["run"]
+    adapter = run / "adapter"
+    info = json.loads((adapter / "clover_export.json").read_text())
+    assert info["step"] == STEPS and info["run_dir"] == str(run.absolute())
+    assert info["left_out_trained_in_full"]  # block mode: the Clover scalars / right taps, trained in full
+    base = lambda: Qwen3_5MoeForCausalLM.from_pretrained(run / "init_hf", attn_implementation="eager",  # noqa: E731
+                                                         dtype="float32").eval()
+    ids = np.random.default_rng(0).integers(0, 248000, (2, 17))
+    adapted = hf_logits(peft.PeftModel.from_pretrained(base(), str(adapter)).eval(), ids)
+    merged = hf_logits(Qwen3_5MoeForCausalLM.from_pretrained(runs["cfg"].export_dir, attn_implementation="eager",
+                                                             dtype="float32").eval(), ids)
+    err = np.max(np.abs(adapted - merged)) / np.max(np.abs(merged))
+    moved = np.max(np.abs(hf_logits(base(), ids) - merged)) / np.max(np.abs(merged))
+    assert err <= REL and moved > 10 * REL, (err, moved)  # the steps moved B off zero
+
+
+def test_launch_export_adapters_from_the_training_checkpoint(runs, tmp_path, capsys):
+    from tests.hf_fixtures import read_all_tensors
+    from tests.launch.launch_utils import run_main
+
+    run = runs["run"]
+    out = tmp_path / "adapter"
+    rc, _, err = run_main(["export", "--checkpoint", str(run / "checkpoints"), "--out", str(out), "--adapters"], capsys)
+    assert rc == 0, err
+    got, want = read_all_tensors(out), read_all_tensors(run / "adapter")
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    assert (out / "adapter_config.json").read_bytes() == (run / "adapter" / "adapter_config.json").read_bytes()
+    # not a training checkpoint / an option that does not apply: one clear line each
+    rc, _, err = run_main(["export", "--checkpoint", str(run / "init_hf"), "--out", str(tmp_path / "x"), "--adapters"],
+                          capsys)
+    assert rc == 1 and "--adapters needs the training checkpoint of a LoRA run" in err
+    rc, _, err = run_main(["export", "--checkpoint", str(run / "checkpoints"), "--out", str(tmp_path / "y"),
+                           "--adapters", "--format", "clover"], capsys)
+    assert rc == 1 and "--format clover does not apply" in err
+
+
+def test_adapter_dir_rules(runs, tmp_path):
+    import dataclasses
+
+    from clover_jax.yaml_config import ConfigError
+    from sft.adapter_export import check_adapter_export
+
+    cfg, run = runs["cfg"], runs["run"]
+    check_adapter_export(cfg, [])  # a rerun of this run may replace its own adapter
+    other = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir=str(tmp_path / "other")))
+    with pytest.raises(ConfigError, match="export of another run"):
+        check_adapter_export(other, [], out=run / "adapter")
+    with pytest.raises(ConfigError, match=r"full_trainable.*input_norm.*merged checkpoint"):
+        lc = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, full_trainable=(r"\.input_norm\.scale$",)))
+        check_adapter_export(lc, ["groups.layer_0.input_norm.scale"], out=tmp_path / "z")
+    with pytest.raises(ConfigError, match=r"export.adapters: true .*\(lora.rank 0\)"):
+        _cfg(tmp_path, tmp_path / "r", tmp_path / "r" / "init", 2, "lora.rank=0")

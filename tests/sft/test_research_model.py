@@ -10,7 +10,7 @@ from pathlib import Path
 
 from clover_jax.decoding.calibrate import CalibrateConfig, EvalSetConfig, SweepConfig, run_calibrate
 from clover_jax.yaml_config import from_tree
-from sft.calibration_study import FLOOR, _recipe_tree, _splits, _stored_model, load_study_config
+from sft.calibration_study import FLOOR, StudyModel, _recipe_tree, _splits, _stored_model, load_study_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BFCL = ROOT.parent / "shared" / "data" / "bfcl" / "BFCL_v4_simple_python.json"
@@ -23,7 +23,8 @@ def test_the_stored_research_model_meets_the_floor(tmp_path):
     study = dataclasses.replace(study, recipe=str(ROOT / study.recipe), bfcl=str(BFCL),
                                 store_dir=str(ROOT / study.store_dir))
     stored = Path(study.store_dir) / "32"
-    assert _stored_model(stored, _recipe_tree(study, (32,))), f"{stored}: no stored research model"
+    assert _stored_model(stored, _recipe_tree(study, StudyModel(32, (32,)).overrides({}))), \
+        f"{stored}: no stored research model"
     ev, _ = _splits(study, tmp_path)
     base = from_tree(CalibrateConfig, dict(study.calibrate), where="study.calibrate")
     cfg = dataclasses.replace(base, checkpoint=str(stored), out_dir=str(tmp_path / "ar"), plots=False,

@@ -399,7 +399,8 @@ def test_multi_size_steps_follow_the_draw_and_resume():
 
     sizes, seed = (8, 16, 32), 3
     abstract = S(jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    setup = SimpleNamespace(block_sizes=sizes, cfg=SimpleNamespace(train=SimpleNamespace(seed=seed)),
+    setup = SimpleNamespace(block_sizes=sizes, cfg=SimpleNamespace(train=SimpleNamespace(seed=seed, steps=8),
+                                                                   model=SimpleNamespace(block_size_schedule=None)),
                             make_step=make_step, abstract_state=abstract)
     want = [draw_block_size(sizes, seed, s) for s in range(8)]
     assert len(set(want)) == 3  # every size drawn (this seed)

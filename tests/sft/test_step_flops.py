@@ -64,3 +64,32 @@ def test_attention_pairs_match_the_mask(t, bs):
     assert f.attention == 2 * 4 * 2 * 4 * (clean + noisy)  # 2 layers x 4 H D x pairs (1 row)
     with pytest.raises(ValueError, match="multiple of block_size"):
         sft_step_flops(CFG, rows=1, seq_len=t + 1, block_size=bs)
+
+
+def test_lora_counts_by_hand():
+    """LoRA rank 2 on every default target of CFG: the frozen weights' gradients leave the count,
+    the adapters join it (factored in `model`; in `executed` the projections factored and the
+    experts merged once per micro-batch, their grouped matmuls' weight gradient still run)."""
+    full = sft_step_flops(CFG, rows=1, seq_len=8, block_size=4, copies=2, remat="full")
+    f = sft_step_flops(CFG.replace(lora_rank=2, lora_alpha=4.0), rows=1, seq_len=8, block_size=4, copies=2,
+                       remat="full", micro_batches=3)
+    assert (f.dense, f.attention, f.gdn, f.lm_head) == (full.dense, full.attention, full.gdn, full.lm_head)
+    # per token, 2 r (in + out) per adapter: attention q 8->16 (with the gate) 96, k 8->4 48, v 48,
+    # o 8->8 64 = 256; GDN q, k 8->4 48 each, v, z 8->8 64 each, b, a 8->2 40 each, out 8->8 64 = 368;
+    # the shared expert 8->5, 8->5, 5->8: 52 each, both layers 312; the experts factored, k = 2 of
+    # them per token: 2 x (8->6, 8->6, 6->8: 56 each) per layer = 672. 32 token-streams.
+    assert f.adapters == 32 * (256 + 368 + 312 + 672) == 51456
+    # run: the projections factored, the 3 expert stacks merged per layer and micro-batch: 2 layers x
+    # 4 experts x 3 x 2 * 8 * 2 * 6
+    assert f.adapters_run == 32 * (256 + 368 + 312) + 3 * 2 * 4 * 3 * 192 == 43776
+    assert f.frozen_weight_grads == full.dense + full.lm_head == 100352
+    assert f.weight_grads_run == 2 * 2 * 3 * (2 * 8 * 6) * 32 == 36864  # the k experts' tgmm per token
+    assert f.model == 3 * 121088 - 100352 + 3 * 51456
+    # remat full recomputes the layers with their adapters
+    assert f.recompute == full.recompute + 43776
+    assert f.executed == f.model + 3 * (43776 - 51456) + 36864 + f.recompute + full.gdn_executed_extra
+    # without the experts as targets: no merge, no expert weight gradient run
+    g = sft_step_flops(CFG.replace(lora_rank=2, lora_targets=(r"\.attn\.(q|k|v|o)_proj\.kernel$",)), rows=1,
+                       seq_len=8, block_size=4, copies=2, remat="none")
+    assert g.adapters == g.adapters_run == 32 * 256 and g.weight_grads_run == 0
+    assert g.model == 3 * 121088 - 100352 + 3 * 32 * 256 and g.executed == g.model + g.gdn_executed_extra

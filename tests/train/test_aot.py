@@ -257,7 +257,11 @@ TINY_RECIPE = ["model.preset=tiny", "model.num_hidden_layers=2", "data.seq_len=2
 def test_compiler_options_reach_the_compile_of_their_platform_only():
     """`train.compiler_options.tpu` goes into the TPU compile of the plan (an unknown option is
     refused by that compiler, by name); the cpu / gpu entries never reach it (it would refuse
-    them: they are unknown options too)."""
+    them: they are unknown options too). On the compiled plan: the CE chunk loop (`sft.loss` skips
+    the chunks without a loss token) counted at its upper bound, and at a share of the chunks on
+    request (`--ce-share`): its loss branch's bytes scaled, the roofline's HBM time below the bound's."""
+    import dataclasses
+
     import jax
 
     import launch
@@ -271,6 +275,46 @@ def test_compiler_options_reach_the_compile_of_their_platform_only():
         "configs/agent_mix.yaml", TINY_RECIPE + [f"train.compiler_options={{cpu: {bogus}, gpu: {bogus}}}"],
         ["v5litepod-4"])
     assert p.compiled
+    spread = p.hlo.cond_spread["CE"][0]
+    q = dataclasses.replace(p, ce_share=0.25)
+    d = q.as_dict()
+    assert spread > 0 and d["hbm_bytes_at_ce_share"] == pytest.approx(p.hlo.hbm_bytes - 0.75 * spread)
+    assert d["roofline_at_ce_share"]["hbm_s"] < d["roofline"]["hbm_s"]
+    assert "with 25% of the chunks holding loss tokens" in "\n".join(q.cost_lines())
     with pytest.raises(ConfigError, match="unknown platform 'tpuv5'"):
         launch._sft_compile_plans("configs/agent_mix.yaml", TINY_RECIPE + [f"train.compiler_options={{tpuv5: {bogus}}}"],
                                   ["v5litepod-4"])
+
+
+def test_cli_breakdown_books_every_hbm_byte_and_the_moe_ops_to_the_moe(tmp_path, capsys):
+    """`--breakdown` on the tiny model's plan: the printed table, categories in the JSON that sum to
+    the walk's total, and the MoE where the HLO's own op names (independent of the stack frames the
+    categories come from) say an op is the MoE's: every ragged dot a grouped matmul, the router's
+    top-k in the MoE."""
+    import gzip
+    import json
+    import re
+
+    import launch
+    from train.hlo_breakdown import CATEGORIES, MOE_MATMULS, MOE_OTHER, Categorizer
+    from train.hlo_cost import parse_module
+
+    rc = launch.main(["compile", "--topology", "v5litepod-4", "--breakdown", "--json", str(tmp_path / "plan.json"),
+                      "--hlo", str(tmp_path / "plan"), "model.preset=tiny", "model.num_hidden_layers=2",
+                      "compile.seq_len=128", "compile.micro_batch=4", "mesh.fsdp=4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "HBM bytes per chip per step by category" in out and all(c in out for c in CATEGORIES)
+    (d,) = json.load(open(tmp_path / "plan.json"))
+    by_cat = d["hlo_cost"]["hbm_by_category"]
+    assert set(by_cat) <= set(CATEGORIES) and sum(by_cat.values()) == pytest.approx(d["hlo_cost"]["hbm_bytes"])
+    assert by_cat[MOE_MATMULS] > 0 and by_cat[MOE_OTHER] > 0
+    with gzip.open(tmp_path / "plan_v5litepod-4.hlo.txt.gz", "rt") as f:
+        text = f.read()
+    comps, _ = parse_module(text)
+    cat = Categorizer(text, comps)
+    ops = [i for c in comps.values() for i in c]
+    ragged = [i for i in ops if i.opcode == "custom-call" and re.search(r'op_name="[^"]*ragged_dot', i.attrs)]
+    top_k = [i for i in ops if i.opcode != "parameter" and re.search(r'op_name="[^"]*/top_k"', i.attrs)]
+    assert ragged and {cat(i) for i in ragged} == {MOE_MATMULS}
+    assert top_k and {cat(i) for i in top_k} == {MOE_OTHER}

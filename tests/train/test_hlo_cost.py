@@ -245,3 +245,120 @@ def test_a_window_read_through_pad_convert_and_reshape_counts_the_window_only():
     window = 8 * 32 * 4 + 4 + 8 * 32 * 2  # the f32 window of x (its bf16 slice's elements), the index, the result
     whole = 64 * 32 * 4 + 4 + (8 * 32 * 2 + 72 * 32 * 4)  # x read whole: the padded value leaves the fusion
     assert c.hbm_bytes == window + whole
+
+
+# A module with the source stack frames JAX records (the tables XLA prints at the top; a frame's
+# parent printed one above its id, a root as its own id): a CE chunk loop of 4 trips whose
+# conditional runs a loss branch (exp + multiply of f32[256,128]: 262144 + 393216 bytes, unfused)
+# or skips (the parameter itself: 0 bytes), and one op of each other kind.
+FRAMES_HLO = """HloModule frames
+
+FileNames
+1 "/w/sft/loss.py"
+2 "/w/clover_jax/model/moe.py"
+3 "/w/clover_jax/model/nn.py"
+4 "/w/.venv/lib/python3.11/site-packages/optax/_src/update.py"
+5 "/w/train/step.py"
+
+FunctionNames
+1 "_chunk_sweep.<locals>.body"
+2 "MoE.__call__"
+3 "Dense.__call__"
+4 "apply_updates"
+5 "make_train_step.<locals>.step"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=111 end_line=111 column=8 end_column=8}
+2 {file_name_id=2 function_name_id=2 line=500 end_line=500 column=8 end_column=8}
+3 {file_name_id=3 function_name_id=3 line=60 end_line=60 column=8 end_column=8}
+4 {file_name_id=4 function_name_id=4 line=40 end_line=40 column=8 end_column=8}
+5 {file_name_id=5 function_name_id=5 line=146 end_line=146 column=8 end_column=8}
+
+StackFrames
+1 {file_location_id=5 parent_frame_id=1}
+2 {file_location_id=1 parent_frame_id=2}
+3 {file_location_id=2 parent_frame_id=2}
+4 {file_location_id=3 parent_frame_id=4}
+5 {file_location_id=4 parent_frame_id=2}
+
+%dear (a: f32[256,128]) -> f32[256,128] {
+  %a = f32[256,128]{1,0} parameter(0)
+  %e = f32[256,128]{1,0} exponential(%a), metadata={op_name="exp" stack_frame_id=2}
+  ROOT %m = f32[256,128]{1,0} multiply(%e, %a), metadata={op_name="mul" stack_frame_id=2}
+}
+
+%skip (b: f32[256,128]) -> f32[256,128] {
+  ROOT %b = f32[256,128]{1,0} parameter(0)
+}
+
+%body (arg: (s32[], f32[256,128], pred[])) -> (s32[], f32[256,128], pred[]) {
+  %arg = (s32[], f32[256,128]{1,0}, pred[]) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[256,128]{1,0} get-tuple-element(%arg), index=1
+  %p = pred[] get-tuple-element(%arg), index=2
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %c = f32[256,128]{1,0} conditional(%p, %x, %x), true_computation=%dear, false_computation=%skip, metadata={op_name="cond" stack_frame_id=2}
+  ROOT %t = (s32[], f32[256,128]{1,0}, pred[]) tuple(%next, %c, %p)
+}
+
+%cond (arg.1: (s32[], f32[256,128], pred[])) -> pred[] {
+  %arg.1 = (s32[], f32[256,128]{1,0}, pred[]) parameter(0)
+  %i.1 = s32[] get-tuple-element(%arg.1), index=0
+  %limit = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i.1, %limit), direction=LT
+}
+
+ENTRY %main (x0: f32[256,128], p0: pred[], xa: f32[8,16], wb: f32[16,32], w: bf16[64,32], big: f32[64,32]) -> f32[256,128] {
+  %x0 = f32[256,128]{1,0} parameter(0)
+  %p0 = pred[] parameter(1)
+  %xa = f32[8,16]{1,0} parameter(2)
+  %wb = f32[16,32]{1,0} parameter(3)
+  %w = bf16[64,32]{1,0} parameter(4)
+  %big = f32[64,32]{1,0} parameter(5)
+  %moe = bf16[64,32]{1,0} negate(%w), metadata={op_name="neg" stack_frame_id=3}
+  %moe_dot = f32[8,32]{1,0} dot(%xa, %wb), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="dot" stack_frame_id=3}
+  %router = f32[8,32]{1,0} dot(%xa, %wb), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="dot" stack_frame_id=4}
+  %ragged-dot-none.2 = f32[8,32]{1,0} custom-call(%xa, %wb), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"k",
+"cost_estimate":{"flops":"8192","transcendentals":"0","bytes_accessed":"1000","remote_bytes_transferred":"0"}}}
+  %all-gather.1 = f32[32,16]{1,0} all-gather(%xa), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}
+  %update = f32[16,32]{1,0} add(%wb, %wb), metadata={op_name="add" stack_frame_id=5}
+  %norm = f32[16,32]{1,0} subtract(%wb, %wb), metadata={op_name="sub" stack_frame_id=1}
+  %slice-start.1 = ((f32[64,32]{1,0}), f32[8,32]{1,0}, s32[]) slice-start(%big), slice={[0:8], [0:32]}
+  %slice-done.1 = f32[8,32]{1,0} slice-done(%slice-start.1)
+  %other = f32[8,16]{1,0} negate(%xa)
+  %init = (s32[], f32[256,128]{1,0}, pred[]) tuple(%one.0, %x0, %p0)
+  %one.0 = s32[] constant(0)
+  %while.1 = (s32[], f32[256,128]{1,0}, pred[]) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[256,128]{1,0} get-tuple-element(%while.1), index=1
+}
+"""
+
+
+def test_breakdown_books_each_op_to_its_source_and_the_ce_loop_scales_by_its_share():
+    """By hand. Categories from the stack frames, innermost first: the conditional and its branch ops
+    in sft/loss.py's chunk body -> CE; MoE.__call__ -> MoE other, its dot -> MoE grouped matmuls; a
+    Dense called inside it -> dense projections (the innermost frame wins); optax -> optimizer;
+    train/step.py as the innermost frame -> optimizer (only there: it is every op's outer frame); the
+    grouped-matmul kernel by name; the all-gather by opcode; an async slice reads its slice only;
+    no frame -> norms / other. The CE loop: 4 chunks x 655,360 bytes of its loss branch at the
+    upper bound; with a share s of the chunks holding loss tokens, the skip branch (0 bytes) runs
+    in the rest."""
+    from train.hlo_breakdown import CE, COLLECTIVES, DENSE, MOE_MATMULS, MOE_OTHER, OPTIMIZER, OTHER
+
+    c = analyze(FRAMES_HLO, breakdown=True)
+    branch = 256 * 128 * 4 * 2 + 256 * 128 * 4 * 3  # exp (read, write), multiply (2 reads, write)
+    dot = 8 * 16 * 4 + 16 * 32 * 4 + 8 * 32 * 4
+    want = {CE: 4 * branch, MOE_OTHER: 2 * 64 * 32 * 2, MOE_MATMULS: dot + 1000, DENSE: dot,
+            COLLECTIVES: 8 * 16 * 4 + 32 * 16 * 4, OPTIMIZER: 2 * 3 * 16 * 32 * 4,
+            OTHER: 2 * 8 * 32 * 4 + 2 * 8 * 16 * 4 + 4 * (3 * 4) + 4 * (4 + 4 + 1)}  # + the loop's counter
+    assert c.hbm_by_category == pytest.approx(want), c.hbm_by_category
+    assert c.hbm_bytes == pytest.approx(sum(want.values()))
+    assert c.cond_spread == {CE: [4 * branch, 4 * 256 * 128]}  # bytes, FLOPs (the multiply)
+    for share in (0.0, 0.25, 1.0):
+        assert c.hbm_at(share) == pytest.approx(c.hbm_bytes - (1 - share) * 4 * branch)
+        assert c.flops_at(share) == pytest.approx(c.flops - (1 - share) * 4 * 256 * 128)
+    with pytest.raises(ValueError, match="share 1.5"):
+        c.hbm_at(1.5)
+    plain = analyze(FRAMES_HLO)  # without a breakdown: the same total, the spread under "all"
+    assert plain.hbm_bytes == c.hbm_bytes and plain.hbm_by_category == {} and plain.cond_spread == {"all": c.cond_spread[CE]}

@@ -5,6 +5,8 @@ and inside the model's SFT loss (the flash kernel's own parity tests at small ti
 attention/test_flash.py). fp32 throughout: values to 1e-5 and gradients to 1e-4 of the reference's
 largest entry."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from flax import nnx
 
 from clover_jax.config import get_preset
-from clover_jax.model.clover_model import create_model, model_to_params
+from clover_jax.model.clover_model import abstract_model, create_model, model_to_params
 from pallas_kernels.attention.ops import resolve_attn_backend, stream_attention
 from pallas_kernels.attention.reference import noisy_query_mask
 
@@ -43,6 +45,12 @@ def _value_and_grads(backend: str, stream: str, block: int, **kw):
     return out, grads
 
 
+@functools.lru_cache(maxsize=None)
+def _reference(stream: str, block: int):
+    """`_value_and_grads` of the dense reference (unsharded), once per setting: the kernel tests share it."""
+    return jax.device_get(_value_and_grads("reference", stream, block))
+
+
 def _assert_rel(got, want, rel, what):
     got, want = np.asarray(got), np.asarray(want)
     err = np.abs(got - want).max() / np.abs(want).max()
@@ -54,7 +62,7 @@ def test_splash_equals_reference(stream, block):
     """Values and dq, dk, dv of the kernel (interpret mode) equal the dense reference on packed rows
     with pads, GQA and lane padding, for the clean stream and the noisy stream at 3 block sizes."""
     out, grads = _value_and_grads("splash", stream, block)
-    out_r, grads_r = _value_and_grads("reference", stream, block)
+    out_r, grads_r = _reference(stream, block)
     _assert_rel(out, out_r, 1e-5, f"{stream} b{block} output")
     for name, g, g_r in zip("qkv", grads, grads_r):
         _assert_rel(g, g_r, 1e-4, f"{stream} b{block} d{name}")
@@ -87,7 +95,7 @@ def test_kernel_under_a_mesh_equals_unsharded(backend):
         jaxpr = str(jax.make_jaxpr(lambda *a: stream_attention(*a, jnp.asarray(SEG), stream="noisy", block_size=16,
                                                                backend=backend))(q, k, v))
     assert "shard_map" in jaxpr and "pallas_call" in jaxpr
-    out_r, grads_r = _value_and_grads("reference", "noisy", 16)
+    out_r, grads_r = _reference("noisy", 16)
     _assert_rel(out, out_r, 1e-5, "sharded output")
     for name, g, g_r in zip("qkv", grads, grads_r):
         _assert_rel(g, g_r, 1e-4, f"sharded d{name}")
@@ -101,19 +109,16 @@ def test_auto_backend_by_platform():
     assert resolve_attn_backend("flash", "tpu") == "flash"  # an explicit choice is kept
 
 
-@pytest.mark.parametrize("backend", ["splash", "flash"])
-def test_model_sft_loss_and_grads_with_kernel_equal_reference(backend):
-    """The model's two-stream SFT loss (both noisy copies, the AR term on the clean stream) and its
-    gradient with respect to every parameter, `attn_backend: splash` / `flash` (interpret) vs
-    `reference`; and the AR forward (`model(ids)`, the clean path without a cache) gives the same logits."""
+def _model_sft_outputs(name: str):
+    """((loss, grads), AR logits) of the tiny block model's two-stream SFT loss and its AR forward,
+    with `attn_backend: name`, on a fixed packed batch; and the batch's segment ids."""
     from sft.loss import LossConfig, make_sft_loss
     from sft.noise import NoiseConfig
 
     mask_id = 255
     cfg = get_preset("tiny").replace(mode="block", mask_token_id=mask_id, attn_backend="reference", num_hidden_layers=2,
                                      layer_types=("linear_attention", "full_attention"))
-    model = create_model(cfg, 0)
-    params = model_to_params(model)
+    params = model_to_params(create_model(cfg, 0))
     rng = np.random.default_rng(0)
     b, t, bk = 2, 64, 16
     seg = np.array([[1] * 32 + [2] * 16 + [0] * 16, [1] * 48 + [0] * 16], np.int32)
@@ -123,17 +128,27 @@ def test_model_sft_loss_and_grads_with_kernel_equal_reference(backend):
                                                    segment_ids=seg, positions=pos, loss_mask=lmask).items()}
     noise, lcfg = NoiseConfig(t_min=0.05), LossConfig(ar_loss_weight=0.5, chunk_tokens=64)
     key = jax.random.key(1)
-    fast = {"xla_backend_optimization_level": 0}  # same semantics, less CPU compile time
-    outs = []
-    for name in ("reference", backend):
-        graphdef, _ = nnx.split(create_model(cfg.replace(attn_backend=name), 0))
-        loss_fn = make_sft_loss(graphdef, block_size=bk, mask_token_id=mask_id, noise=noise, loss=lcfg, lb_coef=0.01,
-                                end_pad_id=1)
-        f = jax.value_and_grad(lambda p: loss_fn(p, batch, key)[0])
-        g = jax.jit(lambda p, ids, s, gd=graphdef: (f(p), nnx.merge(gd, p)(ids, segment_ids=s)))
-        outs.append(g.lower(params, batch["input_ids"], batch["segment_ids"]).compile(compiler_options=fast)(
-            params, batch["input_ids"], batch["segment_ids"]))
-    ((loss_r, grads_r), logits_r), ((loss_s, grads_s), logits_s) = outs
+    graphdef = nnx.split(abstract_model(cfg.replace(attn_backend=name)))[0]  # the structure only: no init
+    loss_fn = make_sft_loss(graphdef, block_size=bk, mask_token_id=mask_id, noise=noise, loss=lcfg, lb_coef=0.01,
+                            end_pad_id=1)
+    f = jax.value_and_grad(lambda p: loss_fn(p, batch, key)[0])
+    g = jax.jit(lambda p, ids, s: (f(p), nnx.merge(graphdef, p)(ids, segment_ids=s)))
+    return jax.device_get(g(params, batch["input_ids"], batch["segment_ids"])), seg
+
+
+@pytest.fixture(scope="module")
+def model_sft_reference():
+    """`_model_sft_outputs("reference")`, computed once for both kernels."""
+    return _model_sft_outputs("reference")
+
+
+@pytest.mark.parametrize("backend", ["splash", "flash"])
+def test_model_sft_loss_and_grads_with_kernel_equal_reference(backend, model_sft_reference):
+    """The model's two-stream SFT loss (both noisy copies, the AR term on the clean stream) and its
+    gradient with respect to every parameter, `attn_backend: splash` / `flash` (interpret) vs
+    `reference`; and the AR forward (`model(ids)`, the clean path without a cache) gives the same logits."""
+    ((loss_r, grads_r), logits_r), seg = model_sft_reference
+    ((loss_s, grads_s), logits_s), _ = _model_sft_outputs(backend)
     np.testing.assert_allclose(float(loss_s), float(loss_r), rtol=1e-5)
     flat_r, flat_s = dict(nnx.traversals.flatten_mapping(grads_r)), dict(nnx.traversals.flatten_mapping(grads_s))
     assert flat_r.keys() == flat_s.keys()

@@ -62,7 +62,7 @@ def test_attend_equals_numpy_softmax_and_zeroes_blind_rows(stream):
     clean, noisy = _packed_masks(t, block)
     mask = clean if stream == "clean" else noisy
     q, k, v, _ = _inputs(0, 2, t, mask.shape[-1], h=4, kv=2, d=16)
-    got = np.asarray(attend(q, k, v, mask))
+    got = np.asarray(jax.jit(attend)(q, k, v, mask))
     np.testing.assert_allclose(got, _numpy_attend(q, k, v, np.asarray(mask)), rtol=1e-5, atol=1e-5)
     if stream == "clean":
         assert np.all(got[0, 5] == 0.0)
@@ -92,9 +92,10 @@ def test_bf16_inputs_keep_their_dtype_and_match_the_oracle_to_bf16_rounding():
     t, block = 16, 4
     _, noisy = _packed_masks(t, block)
     q, k, v, dout = _inputs(2, 2, t, 2 * t, h=4, kv=2, d=16, dtype=jnp.bfloat16)
-    grads = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v, noisy).astype(jnp.float32) * dout), (0, 1, 2))(q, k, v)
-    ref = jax.grad(lambda q, k, v: jnp.sum(_per_head_attend(q, k, v, noisy).astype(jnp.float32) * dout),
-                   (0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v, noisy).astype(jnp.float32) * dout),
+                             (0, 1, 2)))(q, k, v)
+    ref = jax.jit(jax.grad(lambda q, k, v: jnp.sum(_per_head_attend(q, k, v, noisy).astype(jnp.float32) * dout),
+                           (0, 1, 2)))(q, k, v)
     for g, r in zip(grads, ref):
         assert g.dtype == jnp.bfloat16
         scale = float(jnp.max(jnp.abs(r.astype(jnp.float32))))

@@ -63,14 +63,15 @@ def test_attend_spans_equals_dense_attend(stream, h, kv):
     k, v = (jax.random.normal(x, (2, s, kv, d)) for x in ks[1:3])
     dout = jax.random.normal(ks[3], (2, t, h, d))
 
-    def loss(f):
-        return lambda q, k, v: jnp.sum(f(q, k, v) * dout)
+    def value_and_grads(f):
+        """f's output and the gradients of sum(f * dout), as one compiled program (op by op, the many
+        small ops of the spans would each compile on their own)."""
+        grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * dout), argnums=(0, 1, 2))
+        return jax.jit(lambda q, k, v: (f(q, k, v), grads(q, k, v)))(q, k, v)
 
-    got = attend_spans(q, k, v, mask, spans)
-    want = attend(q, k, v, mask)
+    got, g_got = value_and_grads(lambda q, k, v: attend_spans(q, k, v, mask, spans))
+    want, g_want = value_and_grads(lambda q, k, v: attend(q, k, v, mask))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    g_got = jax.grad(loss(lambda q, k, v: attend_spans(q, k, v, mask, spans)), argnums=(0, 1, 2))(q, k, v)
-    g_want = jax.grad(loss(lambda q, k, v: attend(q, k, v, mask)), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(g_got, g_want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
@@ -83,12 +84,19 @@ def test_dispatch_reference_path_equals_the_plain_oracles(with_mask):
     ks = jax.random.split(jax.random.PRNGKey(1), 5)
     q = jax.random.normal(ks[0], (2, t, h, d))
     kc, vc, kn, vn = (jax.random.normal(x, (2, t, kv, d)) for x in ks[1:])
-    got_c = stream_attention(q, kc, vc, seg, stream="clean", backend="reference", mask_BTS=clean if with_mask else None)
     k2, v2 = jnp.concatenate([kc, kn], axis=1), jnp.concatenate([vc, vn], axis=1)
-    got_n = stream_attention(q, k2, v2, seg, stream="noisy", block_size=block, backend="reference",
-                             mask_BTS=noisy if with_mask else None)
-    np.testing.assert_allclose(got_c, clean_attention_ref(q, kc, vc, seg), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got_n, noisy_attention_ref(q, k2, v2, seg, block), rtol=1e-5, atol=1e-6)
+
+    @jax.jit  # one program each side (op by op, every small op would compile on its own)
+    def got_and_want(q, kc, vc, k2, v2):
+        got_c = stream_attention(q, kc, vc, seg, stream="clean", backend="reference",
+                                 mask_BTS=clean if with_mask else None)
+        got_n = stream_attention(q, k2, v2, seg, stream="noisy", block_size=block, backend="reference",
+                                 mask_BTS=noisy if with_mask else None)
+        return (got_c, got_n), (clean_attention_ref(q, kc, vc, seg), noisy_attention_ref(q, k2, v2, seg, block))
+
+    (got_c, got_n), (want_c, want_n) = got_and_want(q, kc, vc, k2, v2)
+    np.testing.assert_allclose(got_c, want_c, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_n, want_n, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_spans_are_refused():

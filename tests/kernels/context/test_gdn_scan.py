@@ -62,8 +62,9 @@ def test_augmented_sweep_is_the_affine_map():
     map A with S_out = A S_in + B, for any S_in (checked against a direct run from S_in)."""
     (q, k, v, g, beta), _, init = _inputs(0)
     seg = _segments()
-    o_aug, fin = augmented_sweep(q, k, v, g, beta, seg, 8)
-    o_ref, fin_ref = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, segment_ids=seg, chunk_size=8)
+    o_aug, fin = fast_jit(lambda *a: augmented_sweep(*a, seg, 8))(q, k, v, g, beta)
+    o_ref, fin_ref = fast_jit(lambda *a: chunk_gated_delta_rule_ref(*a, initial_state=init, segment_ids=seg,
+                                                                    chunk_size=8))(q, k, v, g, beta)
     mapped = fin[..., DV:] @ init + fin[..., :DV]
     assert_rel_close(mapped, fin_ref, FP32_REL, "A S_in + B")
     assert_rel_close(o_aug[..., :DV] + jnp.einsum("bthk,bhkv->bthv", o_aug[..., DV:], init), o_ref, FP32_REL, "o")

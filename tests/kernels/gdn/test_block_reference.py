@@ -75,16 +75,16 @@ def test_block_gdn_reference_matches_numpy_oracle(block, with_init):
     init = rng.normal(size=(b, h, dk, dv)) * 0.5 if with_init else None
     want = numpy_block_gdn(*args, seg, block, init)
     f32 = [jnp.asarray(a, jnp.float32) for a in args]
-    o_c, o_n, final = block_gated_delta_rule_ref(
-        *f32, block_size=block, segment_ids=jnp.asarray(seg),
-        initial_state=None if init is None else jnp.asarray(init, jnp.float32), chunk_size=3)
+    s0 = None if init is None else jnp.asarray(init, jnp.float32)
+    # jitted: one program each (op by op, every op would compile on its own)
+    o_c, o_n, final = jax.jit(lambda *a: block_gated_delta_rule_ref(
+        *a, block_size=block, segment_ids=jnp.asarray(seg), initial_state=s0, chunk_size=3))(*f32)
     # relative (host-independent); 5e-6 of max|ref| (2.0-2.6 here) stays under the old absolute
     # 2e-5 (measured: at most 1.7e-7 relative)
     assert_rel_close(np.asarray(o_n), want, 5e-6, f"noisy stream, block {block}")
     # the clean stream is the causal rule, untouched
-    ref_c, ref_final = chunk_gated_delta_rule_ref(
-        *f32[:5], segment_ids=jnp.asarray(seg), chunk_size=3,
-        initial_state=None if init is None else jnp.asarray(init, jnp.float32))
+    ref_c, ref_final = jax.jit(lambda *a: chunk_gated_delta_rule_ref(
+        *a, segment_ids=jnp.asarray(seg), chunk_size=3, initial_state=s0))(*f32[:5])
     np.testing.assert_array_equal(np.asarray(o_c), np.asarray(ref_c))
     np.testing.assert_array_equal(np.asarray(final), np.asarray(ref_final))
 
@@ -102,14 +102,15 @@ def test_chunk_states_are_the_states_entering_each_chunk():
     rng = np.random.default_rng(1)
     q, k, v, g, beta = (jnp.asarray(a, jnp.float32) for a in _inputs(rng, 1, 12, 2, 4, 3)[:5])
     seg = jnp.asarray([[1] * 5 + [2] * 7])
-    _, _, states = chunk_gated_delta_rule_ref(q, k, v, g, beta, segment_ids=seg, chunk_size=4,
-                                              return_chunk_states=True)
+    # jitted: one program per length (op by op, every op would compile on its own)
+    ref = jax.jit(chunk_gated_delta_rule_ref, static_argnames=("chunk_size", "return_chunk_states"))
+    _, _, states = ref(q, k, v, g, beta, segment_ids=seg, chunk_size=4, return_chunk_states=True)
     for n in range(3):  # entering chunk n = final state of the prefix of n*4 tokens
         if n == 0:
             np.testing.assert_array_equal(np.asarray(states[:, 0]), 0.0)
             continue
-        _, want = chunk_gated_delta_rule_ref(q[:, :4 * n], k[:, :4 * n], v[:, :4 * n], g[:, :4 * n],
-                                             beta[:, :4 * n], segment_ids=seg[:, :4 * n], chunk_size=4)
+        _, want = ref(q[:, :4 * n], k[:, :4 * n], v[:, :4 * n], g[:, :4 * n], beta[:, :4 * n],
+                      segment_ids=seg[:, :4 * n], chunk_size=4)
         # relative, under the old absolute 1e-6 at this scale (max|ref| 0.8-1.06; measured: equal)
         assert_rel_close(np.asarray(states[:, n]), np.asarray(want), 9e-7, f"state entering chunk {n}")
 
