@@ -166,8 +166,9 @@ def test_fsdp_context_step_reduce_scatters_gradients_and_never_gathers_whole_row
     """agent_long's layout (no expert axis; weights' embed dim FSDP-sharded over fsdp x context; two
     rows per batch shard: the complementary copy) at the smallest widths (the `tiny` preset, 2
     layers, fsdp 2 x context 2 on v5p-8): the gradients of the expert weights (the MoE's shard_map)
-    and of the lm_head (the chunked CE's) leave as reduce-scatters onto the parameters' [E, D/4, I] /
-    [E, I, D/4] / [D/4, V] shards, never as an all-reduce of the whole weight (shard_map's transpose
+    and of the lm_head (the chunked CE's) leave as reduce-scatters onto the parameters' shards (gate
+    and up as one [E, D/4, 2I]: the MoE joins them on the shard before its all-gather; [E, I, D/4];
+    [D/4, V]), never as an all-reduce of the whole weight (shard_map's transpose
     psums the whole cotangent of an operand that enters replicated; the CE reduced dW across devices
     per chunk: in the agent_long 32K plan ~0.39 TB + ~0.78 TB of all-reduce per chip per step); and
     no [rows, 2T, D] hidden state is all-gathered over context (the MoE router flattened [B, 2T] to
@@ -185,8 +186,8 @@ def test_fsdp_context_step_reduce_scatters_gradients_and_never_gathers_whole_row
     cfg = get_preset("tiny")
     e, d, i, v = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.vocab_size
     assert not cfg.tie_word_embeddings
-    full = {(e, d, i), (e, i, d), (d, v)}
-    shards = {(e, d // 4, i), (e, i, d // 4), (d // 4, v)}
+    full = {(e, d, i), (e, d, 2 * i), (e, i, d), (d, v)}
+    shards = {(e, d // 4, 2 * i), (e, i, d // 4), (d // 4, v)}
     comps, _ = hlo_cost.parse_module(p.executable.as_text())
     all_reduced, scattered, rows_gathered = [], set(), []
     for comp, instrs in comps.items():
