@@ -1,18 +1,10 @@
 """Test session setup: CPU only (libtpu is installed for AOT compiles; keep it from probing for
-chips), 8 simulated devices for sharding tests, fp32 matmuls at full precision, and XLA:CPU's LLVM
-backend without its optimisation passes (`FAST_COMPILE_FLAGS`)."""
+chips), 8 simulated devices for sharding tests, fp32 matmuls at full precision."""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite's CPU time is mostly XLA:CPU compiles of programs that then run once or a few times on
-# tiny shapes. The LLVM backend without its optimisation passes (the same flags as
-# `DecodeConfig.fast_compile`, clover_jax/decoding/loops.py) compiles them about a third faster; the
-# HLO passes and the program's semantics are unchanged, so every oracle comparison is as strict as
-# before. Subprocesses started with os.environ inherit it (the same numerics on both sides of a
-# comparison); TPU AOT compiles through libtpu are not XLA:CPU compiles.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_FLAGS}")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 # libtpu (AOT compiles for TPU topologies) takes a host-wide lockfile; with no chips here nothing is
