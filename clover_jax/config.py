@@ -105,6 +105,7 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()  # empty: clover_jax.model.lora.DEFAULT_TARGETS
+    lora_dropout: float = 0.0  # the Dense adapters' input dropout while training (not the experts')
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -139,6 +140,8 @@ class ModelConfig:
         if self.lora_rank and self.lora_alpha <= 0:
             raise ModelConfigError(f"lora_alpha must be > 0, got {self.lora_alpha}")
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ModelConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.response_block_align < 0:
             raise ModelConfigError(f"response_block_align must be >= 0, got {self.response_block_align}")
         sizes = self.block_size if isinstance(self.block_size, tuple) else (self.block_size,)

@@ -35,7 +35,9 @@ class LoraConfig:
     alpha / r; targets: regexes over base weight paths (``groups.layer_0.attn.q_proj.kernel``,
     ``groups.layer_0.moe.wi_gate``; empty: every attention / GDN / shared-expert projection and the
     routed experts, `clover_jax.model.lora.DEFAULT_TARGETS`); full_trainable: regexes of params
-    trained in full beside the adapters; dropout: must be 0 (adapter dropout is not implemented)."""
+    trained in full beside the adapters; dropout: the rate of the projections' adapters' input
+    dropout while training (PEFT's lora_dropout; the routed experts' adapters have none, as PEFT's
+    for fused expert parameters, `clover_jax.model.lora`)."""
 
     rank: int = 0
     alpha: float = 16.0
@@ -48,8 +50,8 @@ class LoraConfig:
             raise ConfigError(f"lora.rank must be >= 0 (0: no adapters), got {self.rank}")
         if self.rank and self.alpha <= 0:
             raise ConfigError(f"lora.alpha must be > 0, got {self.alpha}")
-        if self.dropout != 0.0:
-            raise ConfigError(f"lora.dropout {self.dropout}: adapter dropout is not implemented; use 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         for name in ("targets", "full_trainable"):
             for p in getattr(self, name):
                 try:
@@ -69,7 +71,7 @@ def train_model_config(cfg: Any, mcfg: ModelConfig) -> ModelConfig:
     if not lc.enabled:
         return mcfg.replace(param_dtype=cfg.train.param_dtype)
     return mcfg.replace(param_dtype=mcfg.dtype, lora_rank=lc.rank, lora_alpha=float(lc.alpha),
-                        lora_targets=tuple(lc.targets) or DEFAULT_TARGETS)
+                        lora_targets=tuple(lc.targets) or DEFAULT_TARGETS, lora_dropout=float(lc.dropout))
 
 
 def frozen_dtype(mcfg: ModelConfig) -> str | None:
@@ -90,8 +92,9 @@ def optimizer_config(cfg: Any) -> OptimizerConfig:
     return dataclasses.replace(oc, trainable=(ADAPTER_PATTERN,) + tuple(cfg.lora.full_trainable))
 
 
-def describe(params: Any, optimizer: Any) -> str:
-    """One line: trainable vs total params (adapters, in full) for the run's log."""
+def describe(params: Any, optimizer: Any, dropout: float = 0.0) -> str:
+    """One line: trainable vs total params (adapters, in full) for the run's log, and where the
+    adapters' `dropout` applies."""
     import jax
 
     from train.optimizer import param_paths
@@ -102,5 +105,10 @@ def describe(params: Any, optimizer: Any) -> str:
     total = sum(math.prod(x.shape) for x in leaves)
     adapters = sum(math.prod(x.shape) for x, p in zip(leaves, paths) if re.search(ADAPTER_PATTERN, p))
     trained = sum(math.prod(x.shape) for x, m in zip(leaves, mask) if m)
-    return (f"LoRA: {trained:,} trainable params of {total:,} ({100 * trained / max(total, 1):.2f}%: "
+    line = (f"LoRA: {trained:,} trainable params of {total:,} ({100 * trained / max(total, 1):.2f}%: "
             f"{adapters:,} in adapters, {trained - adapters:,} trained in full)")
+    if dropout:
+        experts = any(re.search(r"_lora_a$", p) for p in paths)
+        line += f"; dropout {dropout:g} on the projections' adapters" + (
+            " (the routed experts' adapters, merged into their weights, have none)" if experts else "")
+    return line

@@ -294,6 +294,10 @@ def loss_positions(loss_mask_BT: jax.Array, segment_ids_BT: jax.Array, logits_sh
     return lm & ~doc_start
 
 
+#: folded into the step's key for the adapters' dropout (any constant the noise never folds in)
+_LORA_DROPOUT_STREAM = 0x4C6F5241
+
+
 def make_sft_loss(
     graphdef: Any, *, block_size: int, mask_token_id: int, noise: NoiseConfig, loss: LossConfig,
     lb_coef: float, end_pad_id: int | None = None,
@@ -326,8 +330,11 @@ def make_sft_loss(
                          fixed_t=fixed_t, segment_ids_BT=seg, end_pad_id=end_pad_id)
         rep = lambda x: jnp.concatenate([x] * copies, axis=0)  # noqa: E731
         seg_R, pos_R = rep(seg), rep(batch["positions"])
+        # the adapters' dropout while training (an eval batch, `noise_t`, has none); its key is
+        # folded from the step's, so the noise draws are those of a run without dropout
+        lora_key = jax.random.fold_in(rng, _LORA_DROPOUT_STREAM) if fixed_t is None else None
         h_clean, h_noisy, aux = model.two_stream_hidden(nz.input_ids_RT, nz.noisy_ids_RT, block_size=block_size,
-                                                        positions=pos_R, segment_ids=seg_R)
+                                                        positions=pos_R, segment_ids=seg_R, lora_key=lora_key)
         h_pred = shift_predictions(h_clean, h_noisy, seg_R, block_size, model.cfg.logits_shift)
         coef, norm = token_coefficients(nz.masked_RT, nz.t_RT, nz.maskable_RT, seg_R, weighting=loss.weighting,
                                         normalization=loss.normalization, t_min=noise.t_min, copies=copies)

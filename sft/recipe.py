@@ -525,7 +525,7 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
     print_fn(f"batch: {rows} packed rows x {cfg.data.seq_len} tokens per step (x{cfg.noise.copies} noisy copies "
              f"in the model), {cfg.train.micro_batches} micro-batch(es); {cfg.train.steps} steps")
     if cfg.lora.enabled:
-        print_fn(describe(setup.abstract_state.params, setup.optimizer))
+        print_fn(describe(setup.abstract_state.params, setup.optimizer, setup.cfg.lora.dropout))
     abstract_batch = {k: jax.ShapeDtypeStruct((rows, cfg.data.seq_len), dt,
                                               sharding=sh.batch_sharding(setup.mesh, shape=(rows, cfg.data.seq_len)))
                       for k, dt in (("input_ids", jnp.int32), ("segment_ids", jnp.int32), ("positions", jnp.int32),

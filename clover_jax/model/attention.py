@@ -77,25 +77,27 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, hd
         self.backend = cfg.attn_backend
 
-    def project_kv(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Normed, rotated keys and values [B, T, K, hd]."""
+    def project_kv(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, lora_key: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+        """Normed, rotated keys and values [B, T, K, hd] (`lora_key`: the adapters' dropout, `Dense`)."""
         b, t, _ = x_BTD.shape
-        k = self.k_norm(self.k_proj(x_BTD).reshape(b, t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x_BTD).reshape(b, t, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x_BTD, lora_key).reshape(b, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x_BTD, lora_key).reshape(b, t, self.num_kv_heads, self.head_dim)
         return apply_rope(k, cos, sin), v
 
-    def project_q(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def project_q(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, lora_key: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
         """Normed, rotated queries [B, T, H, hd] and the output gate [B, T, H*hd]."""
         b, t, _ = x_BTD.shape
-        qg = self.q_proj(x_BTD).reshape(b, t, self.num_heads, 2 * self.head_dim)
+        qg = self.q_proj(x_BTD, lora_key).reshape(b, t, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
         q = apply_rope(self.q_norm(q), cos, sin)
         return q, gate.reshape(b, t, self.num_heads * self.head_dim)
 
-    def output(self, attn_BTHD: jax.Array, gate_BTF: jax.Array) -> jax.Array:
+    def output(self, attn_BTHD: jax.Array, gate_BTF: jax.Array, lora_key: jax.Array | None = None) -> jax.Array:
         b, t = attn_BTHD.shape[:2]
         y = attn_BTHD.reshape(b, t, -1) * jax.nn.sigmoid(gate_BTF.astype(jnp.float32)).astype(attn_BTHD.dtype)
-        return self.o_proj(y)
+        return self.o_proj(y, lora_key)
 
     def __call__(
         self, x_BTD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array] | None = None
@@ -104,8 +106,9 @@ class Attention(nnx.Module):
         without cache, the cache length with one; without a cache on a kernel backend, `segment_ids`
         [B, T] instead); with a cache (`k`, `v` [B, S, K, hd]) the new keys
         are written at `ctx["cache_index"]` first and the updated cache is returned."""
-        q, gate = self.project_q(x_BTD, ctx["cos"], ctx["sin"])
-        k, v = self.project_kv(x_BTD, ctx["cos"], ctx["sin"])
+        lk = ctx.get("lora_key")
+        q, gate = self.project_q(x_BTD, ctx["cos"], ctx["sin"], lk)
+        k, v = self.project_kv(x_BTD, ctx["cos"], ctx["sin"], lk)
         if cache is not None:
             idx = ctx["cache_index"]
             k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), idx, axis=1)
@@ -122,7 +125,7 @@ class Attention(nnx.Module):
             out = attend(q, k, v, ctx["mask"])
         else:  # the clean forward without a cache on a kernel backend
             out = stream_attention(q, k, v, ctx["segment_ids"], stream="clean", backend=self.backend)
-        return self.output(out, gate), cache
+        return self.output(out, gate, lk), cache
 
 
     def two_stream(self, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
@@ -132,8 +135,9 @@ class Attention(nnx.Module):
         [B, T, T] (clean, causal) and `noisy_mask` [B, T, 2T] over clean || noisy keys (the kernel
         builds its masks from the segment ids)."""
         cos2, sin2 = (join_streams(a, a) for a in (ctx["cos"], ctx["sin"]))
-        q, gate = self.project_q(x_BSD, cos2, sin2)
-        k, v = self.project_kv(x_BSD, cos2, sin2)
+        lk = ctx.get("lora_key")
+        q, gate = self.project_q(x_BSD, cos2, sin2, lk)
+        k, v = self.project_kv(x_BSD, cos2, sin2, lk)
         (q_c, q_n), (k_c, k_n), (v_c, v_n) = (split_streams(a) for a in (q, k, v))
         seg = ctx["segment_ids"]
         if context_size() > 1:  # each stream's T over the `context` axis (decided here only): one K/V exchange
@@ -141,12 +145,12 @@ class Attention(nnx.Module):
                                                         block_size=ctx["block_size"],
                                                         backend=resolve_attn_backend(self.backend),
                                                         layout=ctx.get("context_layout", "contiguous"))
-            return self.output(join_streams(out_c, out_n), gate)
+            return self.output(join_streams(out_c, out_n), gate, lk)
         out_c = stream_attention(q_c, k_c, v_c, seg, stream="clean", backend=self.backend, mask_BTS=ctx.get("mask"))
         out_n = stream_attention(q_n, jnp.concatenate([k_c, k_n], axis=1), jnp.concatenate([v_c, v_n], axis=1), seg,
                                  stream="noisy", block_size=ctx["block_size"], backend=self.backend,
                                  mask_BTS=ctx.get("noisy_mask"))
-        return self.output(join_streams(out_c, out_n), gate)
+        return self.output(join_streams(out_c, out_n), gate, lk)
 
     def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]) -> jax.Array:
         """Decode side: a noisy canvas [B, Bk, D] against the cached clean K/V (read only).

@@ -100,7 +100,7 @@ class CloverModel(nnx.Module):
             self.lm_head = _LMHead(cfg.hidden_size, cfg.vocab_size, rngs=rngs, param_dtype=pd)
         if cfg.lora_rank:
             add_adapters(self, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets or DEFAULT_TARGETS, rngs,
-                         strict=bool(cfg.lora_targets))
+                         strict=bool(cfg.lora_targets), dropout=cfg.lora_dropout)
 
     # ------------------------------------------------------------------------------------------
     def _contexts(self, segment_ids_BT, positions_BT, q_slot_BT, k_slot_BS, k_seg_BS, ring_seg_BL, continues_B,
@@ -246,13 +246,14 @@ class CloverModel(nnx.Module):
 
     def two_stream_hidden(
         self, input_ids_BT: jax.Array, noisy_ids_BT: jax.Array, *, block_size: int | None = None,
-        positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None, segment_ids: jax.Array | None = None, lora_key: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """The training forward of both streams (docs/design.md 3.1) -> (clean hidden [B, T, D], noisy
         hidden [B, T, D], MoE aux over both streams). `noisy_ids` = `input_ids` with some positions
         replaced by the mask token. Blocks lie on the row grid of `block_size` (default: the first
         configured size); T must be a multiple of it and every document must start on the grid
-        (block-aligned packing; `check_block_aligned` checks a host batch)."""
+        (block-aligned packing; `check_block_aligned` checks a host batch). `lora_key` (a typed key):
+        the adapters' input dropout (`cfg.lora_dropout`, training only); None: none."""
         self._require_block_mode("two_stream_hidden")
         cfg = self.cfg
         bk = int(block_size or cfg.block_sizes[0])
@@ -279,6 +280,8 @@ class CloverModel(nnx.Module):
             "moe": {"block_size": bk, "pieces": n * (2 if layout == "zigzag" else 1)},
             "valid": join_streams(valid, valid),
         }
+        if lora_key is not None and cfg.lora_rank and cfg.lora_dropout:
+            ctx["lora_key"] = lora_key
         ids = join_streams(input_ids_BT, noisy_ids_BT)  # [B, 2T]: a context shard holds both streams' pieces
         x, _, aux = run_stack(self.groups, self.embed(ids, dtype_of(cfg.dtype)), ctx, None, scan=cfg.scan_layers)
         h_clean, h_noisy = (from_layout(h, n, layout) for h in split_streams(self.final_norm(x)))

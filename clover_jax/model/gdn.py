@@ -60,17 +60,18 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Dense(vd, d, ("gdn_v", "embed"), **kw)
         self.cfg = cfg
 
-    def mix_inputs(self, x_BTD: jax.Array) -> dict[str, jax.Array]:
-        """Pre-conv q, k, v [B, T, C_part] and the gates' inputs z [B,T,nv,dv], b, a [B,T,nv]."""
+    def mix_inputs(self, x_BTD: jax.Array, lora_key: jax.Array | None = None) -> dict[str, jax.Array]:
+        """Pre-conv q, k, v [B, T, C_part] and the gates' inputs z [B,T,nv,dv], b, a [B,T,nv]
+        (`lora_key`: the adapters' dropout, `Dense`)."""
         b, t, _ = x_BTD.shape
         c = self.cfg
         return {
-            "q": self.in_proj_q(x_BTD),
-            "k": self.in_proj_k(x_BTD),
-            "v": self.in_proj_v(x_BTD),
-            "z": self.in_proj_z(x_BTD).reshape(b, t, c.linear_num_value_heads, c.linear_value_head_dim),
-            "b": self.in_proj_b(x_BTD),
-            "a": self.in_proj_a(x_BTD),
+            "q": self.in_proj_q(x_BTD, lora_key),
+            "k": self.in_proj_k(x_BTD, lora_key),
+            "v": self.in_proj_v(x_BTD, lora_key),
+            "z": self.in_proj_z(x_BTD, lora_key).reshape(b, t, c.linear_num_value_heads, c.linear_value_head_dim),
+            "b": self.in_proj_b(x_BTD, lora_key),
+            "a": self.in_proj_a(x_BTD, lora_key),
         }
 
     def gates(self, b_BTH: jax.Array, a_BTH: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -124,10 +125,11 @@ class GatedDeltaNet(nnx.Module):
         return {p: jax.nn.silu(block_conv(mixed[p], w[p], w[f"{p}_right"], rings[p], seg, ring_seg))
                 for p in CONV_PARTS}
 
-    def output(self, o_BTHV: jax.Array, z_BTHV: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    def output(self, o_BTHV: jax.Array, z_BTHV: jax.Array, dtype: jnp.dtype, lora_key: jax.Array | None = None
+               ) -> jax.Array:
         b, t = o_BTHV.shape[:2]
         y = self.norm(o_BTHV.astype(dtype), z_BTHV)
-        return self.out_proj(y.reshape(b, t, -1))
+        return self.out_proj(y.reshape(b, t, -1), lora_key)
 
     def __call__(
         self, x_BTD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array] | None = None
@@ -140,7 +142,7 @@ class GatedDeltaNet(nnx.Module):
 
             return gdn_context.clean_forward(self, x_BTD, ctx), None
         c = self.cfg
-        mixed = self.mix_inputs(x_BTD)
+        mixed = self.mix_inputs(x_BTD, ctx.get("lora_key"))
         seg, ring_seg = ctx["segment_ids"], ctx["ring_segment_ids"]
         b, t, _ = x_BTD.shape
         lring = c.linear_conv_kernel_dim - 1
@@ -157,7 +159,7 @@ class GatedDeltaNet(nnx.Module):
             q, k, v, g, beta, initial_state=init_state, segment_ids=seg,
             chunk_size=c.gdn_chunk_size, backend=c.gdn_backend,
         )
-        y = self.output(o, mixed["z"], x_BTD.dtype)
+        y = self.output(o, mixed["z"], x_BTD.dtype, ctx.get("lora_key"))
         if cache is None:
             return y, None
         new_cache = {k_: v_.astype(cache[k_].dtype) for k_, v_ in new_cache.items()}
@@ -179,7 +181,7 @@ class GatedDeltaNet(nnx.Module):
         bk, seg = ctx["block_size"], ctx["segment_ids"]
         b, t = seg.shape
         lring = c.linear_conv_kernel_dim - 1
-        mixed = self.mix_inputs(x_BSD)
+        mixed = self.mix_inputs(x_BSD, ctx.get("lora_key"))
         streams = {name: split_streams(val) for name, val in mixed.items()}
         clean, noisy = ({name: pair[i] for name, pair in streams.items()} for i in (0, 1))
         empty = jnp.full((b, lring), ctx["empty_segment"], jnp.int32)
@@ -198,7 +200,7 @@ class GatedDeltaNet(nnx.Module):
         o_c, o_n, _ = pallas_kernels.block_gated_delta_rule(
             q_c, k_c, v_c, g, beta, q_n, k_n, v_n, self.bd_gdn_softmax_scalars[...],
             block_size=bk, segment_ids=seg, chunk_size=c.gdn_chunk_size, backend=c.gdn_backend)
-        return self.output(join_streams(o_c, o_n), mixed["z"], x_BSD.dtype)
+        return self.output(join_streams(o_c, o_n), mixed["z"], x_BSD.dtype, ctx.get("lora_key"))
 
     def block_step(self, x_BKD: jax.Array, ctx: dict[str, Any], cache: dict[str, jax.Array]
                    ) -> tuple[jax.Array, jax.Array]:

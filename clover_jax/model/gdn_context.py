@@ -63,7 +63,7 @@ def _zero_state(v_BTHV: jax.Array, dk: int) -> jax.Array:
 def clean_forward(layer, x_BTD: jax.Array, ctx: dict[str, Any], empty_segment: int = -1) -> jax.Array:
     """The AR forward without a cache, [B, T, D] -> [B, T, D], T sharded over `context`."""
     c = layer.cfg
-    mixed = layer.mix_inputs(x_BTD)
+    mixed = layer.mix_inputs(x_BTD, ctx.get("lora_key"))
     g, beta = layer.gates(mixed["b"], mixed["a"])
     lring = c.linear_conv_kernel_dim - 1
     weights = layer.conv_weights()
@@ -86,7 +86,7 @@ def clean_forward(layer, x_BTD: jax.Array, ctx: dict[str, Any], empty_segment: i
     w_specs = {name: sp.channel for name in weights}
     o = over_rows(body, (sp.tok_h,) * 5 + (sp.tok, w_specs), sp.tok_h, mixed["q"], mixed["k"], mixed["v"], g, beta,
                   ctx["segment_ids"].astype(jnp.int32), weights)
-    return layer.output(o, mixed["z"], x_BTD.dtype)
+    return layer.output(o, mixed["z"], x_BTD.dtype, ctx.get("lora_key"))
 
 
 def two_stream(layer, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
@@ -96,7 +96,7 @@ def two_stream(layer, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
     c = layer.cfg
     bk, seg, empty = ctx["block_size"], ctx["segment_ids"].astype(jnp.int32), ctx["empty_segment"]
     lring = c.linear_conv_kernel_dim - 1
-    mixed = layer.mix_inputs(x_BSD)
+    mixed = layer.mix_inputs(x_BSD, ctx.get("lora_key"))
     streams = {p: split_streams(mixed[p]) for p in (*CONV_PARTS, "b", "a")}
     clean, noisy = ({p: streams[p][i] for p in CONV_PARTS} for i in (0, 1))
     g, beta = layer.gates(streams["b"][0], streams["a"][0])
@@ -131,4 +131,4 @@ def two_stream(layer, x_BSD: jax.Array, ctx: dict[str, Any]) -> jax.Array:
     o_c, o_n = over_rows(body, (sp.tok_h,) * 8 + (sp.tok, w_specs, sp.per_head), (sp.tok_h, sp.tok_h),
                          clean["q"], clean["k"], clean["v"], noisy["q"], noisy["k"], noisy["v"], g, beta, seg, weights,
                          layer.bd_gdn_softmax_scalars[...])
-    return layer.output(join_streams(o_c, o_n), mixed["z"], x_BSD.dtype)
+    return layer.output(join_streams(o_c, o_n), mixed["z"], x_BSD.dtype, ctx.get("lora_key"))

@@ -17,6 +17,7 @@ from flax import nnx
 from clover_jax.parallel import remat as remat_policies
 from clover_jax.model.attention import Attention, init_attention_cache
 from clover_jax.config import FULL, ModelConfig
+from clover_jax.model import lora
 from clover_jax.model.gdn import GatedDeltaNet, init_gdn_cache
 from clover_jax.model.moe import MoE
 from clover_jax.model.nn import RMSNorm, dtype_of
@@ -44,6 +45,8 @@ class DecoderLayer(nnx.Module):
         cache, which is read, not returned)."""
         mixer = self.attn if self.is_attention else self.gdn
         mixer_ctx = ctx["attn"] if self.is_attention else ctx["gdn"]
+        if ctx.get("lora_key") is not None:  # the layer group's adapter-dropout key (run_stack)
+            mixer_ctx = {**mixer_ctx, "lora_key": ctx["lora_key"]}
         stream = ctx.get("stream", "ar")
         if stream == "ar":
             h, cache = mixer(self.input_norm(x_BTD), mixer_ctx, cache)
@@ -107,25 +110,28 @@ def run_stack(group: LayerGroup, x_BTD: jax.Array, ctx: dict[str, Any], cache: C
 
     `remat`: a `clover_jax.parallel.remat` policy name for each layer group (None: the `remat.use_policy`
     context's, else the model config's `remat`). `moe_inputs`: per-layer MoE inputs stacked
-    [G, p, ...] (`LayerGroup`)."""
+    [G, p, ...] (`LayerGroup`). `ctx["lora_key"]` (training with adapter dropout): split into one
+    key per group."""
     graphdef, state = nnx.split(group)
+    num = jax.tree.leaves(state)[0].shape[0]
+    keys = lora.group_keys(ctx.get("lora_key"), num)
+    ctx = {k: v for k, v in ctx.items() if k != "lora_key"}
 
     def body(x, xs):
-        group_state, group_cache, group_moe = xs
+        group_state, group_cache, group_moe, key = xs
         module = nnx.merge(graphdef, group_state)
-        x, new_cache, aux = module(x, ctx, group_cache, group_moe)
+        x, new_cache, aux = module(x, ctx if key is None else {**ctx, "lora_key": key}, group_cache, group_moe)
         return x, (new_cache, aux)
 
     # inside lax.scan the loop already keeps XLA from merging the recompute with the forward
     policy = remat if remat is not None else (remat_policies.override() or getattr(group, "remat", "none"))
     body = remat_policies.apply(body, policy, prevent_cse=not scan)
     if scan:
-        x, (new_cache, aux) = jax.lax.scan(body, x_BTD, (state, cache, moe_inputs))
+        x, (new_cache, aux) = jax.lax.scan(body, x_BTD, (state, cache, moe_inputs, keys))
         return x, new_cache, aux
-    num = jax.tree.leaves(state)[0].shape[0]
     outs = []
     for gi in range(num):
-        sl = jax.tree.map(lambda a: a[gi], (state, cache, moe_inputs))
+        sl = jax.tree.map(lambda a: a[gi], (state, cache, moe_inputs, keys))
         x_BTD, out = body(x_BTD, sl)
         outs.append(out)
     new_cache, aux = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)

@@ -15,6 +15,12 @@ blocked, capacity, expert parallel) then runs unchanged. That is what PEFT does 
 parameters too; its price is that an update below the compute dtype's resolution of ``W`` is not
 seen by the bf16 forward (the gradient still flows: the cast's gradient is the identity).
 
+Dropout (`dropout` > 0, PEFT's ``lora_dropout``): a `Dense` adapter reads ``dropout(x)``, a mask of its
+own per projection, layer group and step, only when the forward is given a key (`dropout_input`:
+training; evaluation and decoding pass none). The routed experts' adapters have none: merged into
+the weight, they never see the input apart from the base product (PEFT refuses dropout on such
+fused parameters for the same reason).
+
 With B = 0 (initialisation) the model is the base model bit for bit. Paths: a Dense adapter sits at
 ``<module>.lora_a`` (e.g. ``groups.layer_0.attn.q_proj.lora_a``), an expert adapter at
 ``moe.wi_gate_lora_a``. `targets` are regexes over the BASE weight's params-tree path
@@ -77,11 +83,12 @@ def _adapter_params(kernel: nnx.Param, rank: int, key: jax.Array, base_path: str
 
 
 def add_adapters(model: nnx.Module, rank: int, alpha: float, targets: tuple[str, ...], rngs: nnx.Rngs,
-                 prefix: tuple[str, ...] = (), strict: bool = True) -> list[str]:
+                 prefix: tuple[str, ...] = (), strict: bool = True, dropout: float = 0.0) -> list[str]:
     """Attaches adapters to every targeted weight of `model` (in place). Returns the targeted base
     paths; raises ValueError if nothing is targeted, or (`strict`: the user's own targets) if a
     pattern matches no weight (a typo would silently train nothing there; the defaults name weights
-    a model may lack, e.g. attention in an all-GDN stack)."""
+    a model may lack, e.g. attention in an all-GDN stack). `dropout`: the Dense adapters' input
+    dropout rate (module docstring)."""
     found: list[str] = []
     hit = {p: False for p in targets}
 
@@ -100,6 +107,9 @@ def add_adapters(model: nnx.Module, rank: int, alpha: float, targets: tuple[str,
             if wanted(f"{base}.kernel"):
                 module.lora_a, module.lora_b = _adapter_params(module.kernel, rank, key, f"{base}.kernel")
                 module.lora_scale = scale_of(rank, alpha)
+                module.lora_dropout = float(dropout)
+                # a mask of its own: the module's path folded into the layer group's key
+                module.lora_id = zlib.crc32(base.encode()) & 0x7FFFFFFF
                 found.append(f"{base}.kernel")
         elif all(isinstance(getattr(module, n, None), nnx.Param) for n in EXPERT_WEIGHTS):
             for n in EXPERT_WEIGHTS:
@@ -116,6 +126,23 @@ def add_adapters(model: nnx.Module, rank: int, alpha: float, targets: tuple[str,
     if not found:
         raise ValueError("lora.targets: no weight targeted")
     return found
+
+
+def dropout_input(x: jax.Array, rate: float, key: jax.Array | None, module_id: int) -> jax.Array:
+    """`x` with each element zeroed with probability `rate` and the rest scaled by 1 / (1 - rate)
+    (so E[out] = x), the mask drawn from `key` folded with `module_id`; `x` itself when `key` is
+    None or `rate` is 0 (evaluation, decoding)."""
+    if key is None or not rate:
+        return x
+    keep = jax.random.bernoulli(jax.random.fold_in(key, module_id), 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def group_keys(key: jax.Array | None, groups: int) -> jax.Array | None:
+    """One dropout key per stacked layer group (`clover_jax.model.layers.run_stack`): within a
+    group every Dense folds in its own path (`dropout_input`), so every adapter of the model draws
+    its own mask."""
+    return None if key is None else jax.random.split(key, groups)
 
 
 def low_rank(x: jax.Array, a: jax.Array, b: jax.Array, scale: float, dtype: jnp.dtype) -> jax.Array:
@@ -172,7 +199,7 @@ def base_path(adapter_path: str) -> str:
 
 def base_config(cfg: Any) -> Any:
     """The ModelConfig without adapters (what an HF checkpoint holds, what a merged export writes)."""
-    return cfg.replace(lora_rank=0, lora_targets=())
+    return cfg.replace(lora_rank=0, lora_targets=(), lora_dropout=0.0)
 
 
 def init_adapters(shapes: dict[str, tuple[int, ...]], key: jax.Array) -> dict[str, jax.Array]:
@@ -193,4 +220,5 @@ def adapter_pairs(params: Tree) -> dict[str, tuple[Any, Any]]:
 
 
 __all__ = ["A", "ADAPTER_PATTERN", "B", "DEFAULT_TARGETS", "EXPERT_WEIGHTS", "LORA_RANK_AXIS", "add_adapters",
-           "adapter_init", "adapter_pairs", "base_config", "base_path", "delta", "init_adapters", "expert_weight", "is_adapter", "low_rank", "merge_adapters", "scale_of"]
+           "adapter_init", "adapter_pairs", "base_config", "base_path", "delta", "dropout_input", "expert_weight",
+           "group_keys", "init_adapters", "is_adapter", "low_rank", "merge_adapters", "scale_of"]

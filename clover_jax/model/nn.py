@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.model.lora import low_rank
+from clover_jax.model.lora import dropout_input, low_rank
 from clover_jax.parallel import sharding
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -53,9 +53,10 @@ class Dense(nnx.Module):
         self.kernel = make_param(rngs, init or normal(), (d_in, d_out), axes, param_dtype)
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_key: jax.Array | None = None) -> jax.Array:
         """x [..., in] -> [..., out]; plus the LoRA term ``s (x A) B`` when `clover_jax.model.lora`
-        attached an adapter (`lora_a` [in, r], `lora_b` [r, out])."""
+        attached an adapter (`lora_a` [in, r], `lora_b` [r, out]); with `lora_key` (training) the
+        term reads the adapter's dropout of x (`lora.dropout_input`)."""
         x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
         mesh_ctx = sharding.current()
         if x.ndim > 2 and (mesh_ctx is None or mesh_ctx.mesh.size == 1):
@@ -63,15 +64,16 @@ class Dense(nnx.Module):
             # two dims, which XLA:CPU feeds a [out, N] transposed copy fused into the cotangent's
             # producer (20 ms of a 105 ms GDN layer fwd+bwd at small-cpu, issue 19). Not under a
             # mesh: rows and sequence may be sharded over different axes, and merging them gathers.
-            return self._project(x.reshape(-1, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[-1])
-        return self._project(x, kernel)
+            return self._project(x.reshape(-1, x.shape[-1]), kernel, lora_key).reshape(*x.shape[:-1], kernel.shape[-1])
+        return self._project(x, kernel, lora_key)
 
-    def _project(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    def _project(self, x: jax.Array, kernel: jax.Array, lora_key: jax.Array | None) -> jax.Array:
         y = jnp.dot(x, kernel)
         lora_a = getattr(self, "lora_a", None)
         if lora_a is None:
             return y
-        return y + low_rank(x, lora_a[...], self.lora_b[...], self.lora_scale, self.dtype)
+        x_in = dropout_input(x, self.lora_dropout, lora_key, self.lora_id)
+        return y + low_rank(x_in, lora_a[...], self.lora_b[...], self.lora_scale, self.dtype)
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:

@@ -135,3 +135,77 @@ def test_default_targets_fit_a_stack_without_attention():
                       lora_rank=RANK)
     flat = flatten(model_to_params(create_model(cfg, 0)))
     assert "groups.layer_0.gdn.in_proj_q.lora_a" in flat and not any(".attn." in k for k in flat)
+
+
+def test_dropout_zeroes_the_low_rank_paths_inputs_at_the_rate_and_rescales_the_rest():
+    """Dense with W = 0, A = B = I (rank = in): y = s * dropout(x), so on x = 1 every output is 0 or
+    s / (1 - p), zero at rate p (a binomial bound over 8192 draws); no key (eval) = no dropout; the
+    same key draws the same mask, another key or another projection another."""
+    p, n, d = 0.25, 512, 16
+    x = jnp.ones((n, d), jnp.float32)
+
+    def identity_adapter(seed: int) -> Dense:
+        dense = Dense(d, d, ("embed", "mlp"), rngs=nnx.Rngs(seed))
+        lora.add_adapters(dense, d, ALPHA, (r"kernel$",), nnx.Rngs(1), dropout=p)
+        dense.kernel[...] = jnp.zeros((d, d))
+        dense.lora_a[...], dense.lora_b[...] = jnp.eye(d), jnp.eye(d)
+        return dense
+
+    dense = identity_adapter(0)
+    s = ALPHA / d
+    np.testing.assert_allclose(dense(x), s * np.ones((n, d)), rtol=1e-6)  # no key: no dropout
+    key = jax.random.key(7)
+    y = np.asarray(dense(x, key))
+    kept = np.isclose(y, s / (1 - p), rtol=1e-6)
+    assert np.all(kept | (y == 0))
+    dropped = 1.0 - kept.mean()
+    assert abs(dropped - p) < 4 * np.sqrt(p * (1 - p) / y.size), dropped
+    np.testing.assert_array_equal(dense(x, key), y)
+    assert np.mean(np.asarray(dense(x, jax.random.key(8))) != y) > 0.2
+    other = identity_adapter(0)
+    other.lora_id = dense.lora_id + 1  # another projection of the same layer group
+    assert np.mean(np.asarray(other(x, key)) != y) > 0.2
+
+
+def test_model_dropout_acts_in_training_only_and_the_scanned_and_unrolled_stacks_agree():
+    """A tiny model with adapter dropout: with a key the noisy stream's hidden states move (against
+    the same model without one: evaluation, decoding), the same under the scanned and the
+    unrolled layer stack (each layer group slices its own key)."""
+    mask, bk = CFG.vocab_size - 1, 4
+    lcfg = CFG.replace(lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=0.5, mode="block", mask_token_id=mask,
+                       block_size=bk)
+    params = _randomize_adapters(model_to_params(create_model(lcfg, 0)))
+    ids = jax.random.randint(jax.random.key(0), (2, 16), 0, mask)
+    noisy = ids.at[:, 3::4].set(mask)
+
+    def hidden(cfg, key):
+        fwd = nnx.jit(lambda m, k: m.two_stream_hidden(ids, noisy, block_size=bk, lora_key=k)[:2])
+        return jnp.concatenate(fwd(model_from_params(cfg, params), key), axis=1)
+
+    key = jax.random.key(11)
+    dropped = hidden(lcfg, key)
+    assert float(jnp.max(jnp.abs(dropped - hidden(lcfg, None)))) > 1e-2
+    np.testing.assert_allclose(hidden(lcfg.replace(scan_layers=not lcfg.scan_layers), key), dropped,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_moe_gives_its_shared_experts_adapters_dropout_and_the_routed_experts_none():
+    """The routed experts' adapters are merged into their weights, so a dropout key changes nothing
+    there (as PEFT's fused-parameter adapters, which refuse dropout); the shared expert's Dense
+    adapters take it."""
+    x = jax.random.normal(jax.random.key(3), (2, 8, CFG.hidden_size), jnp.float32)
+
+    def moe_out(targets, key):
+        moe = MoE(CFG, rngs=nnx.Rngs(0))
+        lora.add_adapters(moe, RANK, ALPHA, targets, nnx.Rngs(1), dropout=0.5)
+        for name, var in nnx.iter_graph(moe):
+            if isinstance(var, nnx.LoRAParam):
+                var[...] = 0.1 * jax.random.normal(jax.random.key(len(str(name))), var[...].shape)
+        ctx = {"valid": jnp.ones(x.shape[:2], bool)} | ({} if key is None else {"lora_key": key})
+        return moe(x, ctx)[0]
+
+    key = jax.random.key(5)
+    routed = (r"(wi_gate|wi_up|wo)$",)
+    np.testing.assert_array_equal(moe_out(routed, key), moe_out(routed, None))
+    shared = (r"shared_(gate|up|down)_proj\.kernel$",)
+    assert float(jnp.max(jnp.abs(moe_out(shared, key) - moe_out(shared, None)))) > 1e-3

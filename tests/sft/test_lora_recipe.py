@@ -2,7 +2,7 @@
 resume, the merged export and the PEFT adapter (`export.adapters`, `launch.py export --adapters`).
 
 One tiny run (2-layer tiny-qwen3.6, real vocabulary, bf16 compute, rank-4 adapters on the default
-targets, a fp32 qwen export and its adapter) of 4 steps, and the same run resumed from its step-2
+targets with dropout 0.1, a fp32 qwen export and its adapter) of 4 steps, and the same run resumed from its step-2
 checkpoint to 4; checked against the init params read back from the checkpoint (frozen:
 bit-identical, in bf16), the uninterrupted run (resume: bit-identical losses and params), the
 adapted model's forward (the merged HF export) and transformers + peft (the adapter on the init
@@ -42,7 +42,7 @@ data:
   sources:
     - {{name: synthetic, format: synthetic, options: {{n_records: 120, seed: 0}}}}
 eval: {{t_values: [0.5], max_batches: 1, decode: {{every: 0}}}}
-lora: {{rank: 4, alpha: 8}}
+lora: {{rank: 4, alpha: 8, dropout: 0.1}}
 train: {{steps: {steps}, eval_every: 0, log_every: 1, seed: 7, compiler_options: {{cpu: {{xla_backend_optimization_level: 0}}}}}}
 optimizer: {{lr: 1.0e-2, warmup_steps: 1}}
 checkpoint: {{every_steps: 2, keep: 10, async_save: false}}
@@ -150,7 +150,7 @@ def test_lora_with_optimizer_trainable_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="lora.full_trainable"):
         optimizer_config(cfg)
     with pytest.raises(ConfigError, match="lora.dropout"):
-        _cfg(tmp_path, tmp_path / "r", tmp_path / "r" / "init", 2, "lora.dropout=0.1")
+        _cfg(tmp_path, tmp_path / "r", tmp_path / "r" / "init", 2, "lora.dropout=1.0")
 
 
 # ------------------------------------------------------------------------------------ PEFT adapter
