@@ -548,7 +548,8 @@ def run_sft(cfg: SFTConfig, *, on_step: Callable | None = None, on_checkpoint: C
         res = run(steps, setup.init_state, batches, config=cfg.trainer_config(), eval_fn=eval_fn,
                   run_config=to_tree(cfg), flops_per_step=flops, peak_flops=peak, on_step=on_step,
                   on_checkpoint=on_checkpoint, abstract_state=setup.abstract_state, resume_must_match=RESUME_MUST_MATCH,
-                  resume_defaults=to_tree(SFTConfig()))
+                  resume_defaults=to_tree(SFTConfig()),
+                  params_mask=setup.optimizer.trainable_mask(setup.abstract_state.params))
     export_dir = None
     finished = not res.preempted and res.nonfinite_step is None and res.step >= cfg.train.steps
     if cfg.export_dir and finished:

@@ -5,7 +5,9 @@ A training checkpoint is a step dir of `train.checkpoint` (``<run_dir>/checkpoin
 its ``params`` and ``config`` items), or the checkpoints dir itself (= its newest complete step).
 Only two items are read: ``config`` (the run's `SFTConfig`, from which `sft.recipe.run_model_config`
 rebuilds the ModelConfig exactly as the run built it) and ``params`` (the master weights; the
-optimizer state is never restored). The tokenizer is the run's: its init dir's (or its task
+optimizer state is never restored). A run with `checkpoint.save_frozen: false` saved only its
+trained params: the frozen ones are re-read from its `model.init_from` and checked against the
+fingerprint in ``progress`` (`train.checkpoint.check_frozen`). The tokenizer is the run's: its init dir's (or its task
 vocabulary), as the run's own export takes it, so exporting a final checkpoint writes the same
 tensors and files as the run's end-of-run export (`sft.export.export_params` does both).
 
@@ -29,7 +31,24 @@ from sft.config import SFTConfig
 __all__ = ["TrainedRun", "export_training_adapter", "export_training_checkpoint", "load_model", "open_training_checkpoint", "training_step_dir"]
 
 #: the items of a `train.checkpoint` step dir read here
-PARAMS_ITEM, CONFIG_ITEM = "params", "config"
+PARAMS_ITEM, CONFIG_ITEM, PROGRESS_ITEM = "params", "config", "progress"
+
+
+def _restore_item(path: Path, target: Any, what: str) -> Any:
+    """An array item of a step dir, host-resident, into `target` (None: as saved)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = path.absolute()
+    ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    try:
+        args = ocp.args.StandardRestore(target) if target is not None else ocp.args.StandardRestore()
+        return jax.device_get(ckptr.restore(path, args=args))
+    except (ValueError, KeyError, FileNotFoundError) as e:  # Orbax: missing / mismatched leaves
+        raise CheckpointError(f"{path}: cannot restore {what} "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+    finally:
+        ckptr.close()
 
 
 def _is_step_dir(p: Path) -> bool:
@@ -60,26 +79,40 @@ class TrainedRun:
     cfg: SFTConfig
     model_cfg: ModelConfig
     tok_dir: Path | None
+    init_kind: str = "random"
+    init_path: Path | None = None
 
     def read_params(self) -> Any:
-        """The master params (stacked pure dict of host-resident arrays, `train.param_dtype`)."""
+        """The master params (stacked pure dict of host-resident arrays, `train.param_dtype`; the
+        frozen ones of a `save_frozen: false` run re-read from its init, as the run held them)."""
         import jax
-        import orbax.checkpoint as ocp
 
         from clover_jax.model.clover_model import abstract_model, model_to_params
+        from train.checkpoint import FINGERPRINT, check_frozen, merge_subset, subset
+        from train.checkpoint import CheckpointError as TrainCheckpointError
 
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                               model_to_params(abstract_model(self.model_cfg)))
-        path = (self.step_dir / PARAMS_ITEM).absolute()
-        ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+        if self.cfg.checkpoint.save_frozen:
+            return _restore_item(self.step_dir / PARAMS_ITEM, target, "the params of the run's model")
+        from sft.init_params import load_params
+        from sft.lora import frozen_dtype, optimizer_config
+        from train.optimizer import trainable_mask
+        from train.state import FP32_ONLY_PATTERNS, cast_master
+
+        mask = trainable_mask(optimizer_config(self.cfg), target)
+        trained = _restore_item(self.step_dir / PARAMS_ITEM, subset(target, mask), "the trained params of the run")
+        progress = _restore_item(self.step_dir / PROGRESS_ITEM, None, "the run's progress")
+        # the initial params as the run held them (master / frozen dtypes), then its fingerprint check
+        frozen = jax.tree.map(lambda m: not m, mask)
+        initial = cast_master(load_params(self.init_kind, self.init_path, self.model_cfg, self.cfg.model.seed),
+                               self.cfg.train.param_dtype, FP32_ONLY_PATTERNS, frozen, frozen_dtype(self.model_cfg))
         try:
-            return jax.device_get(ckptr.restore(path, args=ocp.args.StandardRestore(target)))
-        except (ValueError, KeyError, FileNotFoundError) as e:  # Orbax: missing / mismatched leaves
-            raise CheckpointError(f"{path}: cannot restore the params of the run's model "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
-        finally:
-            ckptr.close()
+            check_frozen(str(self.step_dir), initial, mask, progress[FINGERPRINT])
+        except TrainCheckpointError as e:
+            raise CheckpointError(str(e)) from None
+        return jax.device_get(merge_subset(initial, trained))
 
 
 def _read_run_config(step_dir: Path) -> SFTConfig:
@@ -114,11 +147,12 @@ def open_training_checkpoint(path: str | Path) -> TrainedRun:
     # never write a random init here: a missing init dir is an error naming it
     probe = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, generate_missing=False))
     try:
-        _, _, ck_cfg, tok_dir = data_source(probe)
+        kind, init_path, ck_cfg, tok_dir = data_source(probe)
         cfg, mcfg, tok_dir = run_model_config(cfg, ck_cfg, tok_dir, build_vocab=False)
     except (ConfigError, FileNotFoundError) as e:
         raise CheckpointError(f"training checkpoint {step_dir}: cannot rebuild its run's model: {e}") from None
-    return TrainedRun(step_dir=step_dir, step=int(step_dir.name), cfg=cfg, model_cfg=mcfg, tok_dir=tok_dir)
+    return TrainedRun(step_dir=step_dir, step=int(step_dir.name), cfg=cfg, model_cfg=mcfg, tok_dir=tok_dir,
+                      init_kind=kind, init_path=init_path)
 
 
 def export_training_checkpoint(path: str | Path, out: str | Path, *, overwrite: bool = False, **write_kw: Any) -> Path:

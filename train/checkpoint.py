@@ -2,9 +2,11 @@
 
 Items of a step directory ``<dir>/<step>/``:
 
-    params/     the master params pytree (StandardSave: sharded arrays, restorable to any sharding)
+    params/     the master params pytree (StandardSave: sharded arrays, restorable to any sharding);
+                with `checkpoint.save_frozen: false` only the trained ones (`params_mask`)
     opt_state/  the optax state pytree
-    progress/   {"step": int32 [], "rng": uint32 key data}
+    progress/   {"step": int32 [], "rng": uint32 key data}, and without the frozen params their
+                fingerprint ``frozen_sum_abs`` fp32 [n] (sum |x| per frozen floating leaf)
     data/       JSON: the data iterator's state after the last batch of that step (opaque to us)
     config/     JSON: the run config the caller handed over (for provenance and `export`)
 
@@ -20,6 +22,12 @@ loop calls it after every step), `save`, `wait` and `close` raise it as one `Che
 naming the step dir and the OS error. Orbax deletes older steps only after a write is final, so the
 last complete checkpoint survives a failed one; Orbax's own tracebacks of that failure are dropped
 from the log (the error is reported once, by us).
+
+Trained params only (`save_frozen: false`, a LoRA run's adapters beside a frozen 35B base): the
+frozen params never change, so a checkpoint need not hold them; `restore` takes them from the run's
+initial params (`frozen`, re-read from its init checkpoint) and first compares their fingerprint
+with the one saved, so a resume on other base weights (a changed or replaced init dir) is refused
+instead of silently training adapters against the wrong model.
 """
 
 from __future__ import annotations
@@ -27,10 +35,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from train.config import CheckpointConfig
@@ -42,6 +51,10 @@ log = logging.getLogger(__name__)
 
 ARRAY_ITEMS = ("params", "opt_state", "progress")
 JSON_ITEMS = ("data", "config")
+FINGERPRINT = "frozen_sum_abs"
+#: frozen params re-read for a resume must match the saved fingerprint to this relative tolerance
+#: (a sum over other shardings rounds differently; other weights differ by far more)
+FINGERPRINT_RTOL = 1e-4
 
 
 class CheckpointError(RuntimeError):
@@ -80,6 +93,50 @@ def first_nonfinite_leaf(tree: Any) -> str | None:
     return next((name for (name, _), ok in zip(leaves, flags) if not bool(ok)), None)
 
 
+def subset(tree: Any, mask: Any) -> dict[str, Any]:
+    """The leaves of the nested-dict `tree` where `mask` (same structure, bools) is True, as nested
+    dicts; subtrees left empty are dropped."""
+    if isinstance(tree, Mapping):
+        out = {k: subset(v, mask[k]) for k, v in tree.items()}
+        return {k: v for k, v in out.items() if not (isinstance(v, dict) and not v)}
+    return tree if mask else {}
+
+
+def merge_subset(full: Any, part: Mapping[str, Any]) -> Any:
+    """`full` with every leaf that `part` (a `subset` of the same structure) holds taken from it."""
+    if isinstance(full, Mapping):
+        return {k: (merge_subset(v, part[k]) if k in part else v) for k, v in full.items()}
+    return part
+
+
+def frozen_fingerprint(params: Any, mask: Any) -> tuple[list[str], jax.Array]:
+    """(paths, fp32 [n] sum |x|) of the floating leaves where `mask` is False: what a checkpoint
+    without them records, to recognise the weights it was trained against."""
+    items = [(path_str(p), x) for (p, x), m in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(mask))
+             if not m and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    sums = jax.jit(lambda xs: jnp.stack([jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in xs]) if xs
+                   else jnp.zeros((0,), jnp.float32))([x for _, x in items])
+    return [p for p, _ in items], sums
+
+
+def check_frozen(where: str, params: Any, mask: Any, saved: Any) -> None:
+    """Raises `CheckpointError` unless the frozen leaves of `params` (the run's initial params,
+    re-read) have the fingerprint `saved` that the checkpoint `where` recorded (FINGERPRINT_RTOL);
+    the message names the first leaf that differs."""
+    paths, now = frozen_fingerprint(params, mask)
+    now, saved = np.asarray(jax.device_get(now)), np.asarray(jax.device_get(saved))
+    if now.shape != saved.shape:
+        raise CheckpointError(f"checkpoint {where} was trained with {saved.size} frozen params, this run has "
+                              f"{now.size}: not the same model")
+    bad = np.flatnonzero(~np.isclose(now, saved, rtol=FINGERPRINT_RTOL, atol=0.0))
+    if bad.size:
+        i = int(bad[0])
+        raise CheckpointError(
+            f"checkpoint {where} holds only the trained params, and the frozen ones re-read from the run's initial "
+            f"weights are not those it was trained with: {paths[i]!r} sum |x| {now[i]:.6g}, saved {saved[i]:.6g} "
+            f"({bad.size} of {len(paths)} differ); use the model.init_from the run started from")
+
+
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     """Restore target of one leaf: shape, dtype and sharding (the target layout, which may differ from
     the saved one). Leaves without a sharding (plain `eval_shape`) land on the first local device."""
@@ -104,10 +161,18 @@ class Checkpointer:
     the state to the next step right away; `wait()` blocks until the write is final.
     """
 
-    def __init__(self, cfg: CheckpointConfig, *, run_config: Mapping[str, Any] | None = None):
+    def __init__(self, cfg: CheckpointConfig, *, run_config: Mapping[str, Any] | None = None,
+                 params_mask: Any = None):
+        """`params_mask` (params-shaped bools, True = trained): what a `save_frozen: false`
+        checkpoint holds; required then, ignored otherwise."""
         if cfg.dir is None:
             raise CheckpointError("checkpoint.dir is not set")
+        if not cfg.save_frozen and params_mask is None:
+            raise CheckpointError("checkpoint.save_frozen: false needs to know which params train: this run "
+                                  "gives no trainable mask (the SFT recipe does); set save_frozen: true")
         self.cfg = cfg
+        self.params_mask = None if cfg.save_frozen else params_mask
+        self._fingerprint: jax.Array | None = None  # of the frozen params, computed at the first save
         # a URI (gs://...) goes to Orbax as an epath: it reads and writes buckets itself
         self.directory = epath_of(cfg.dir) if is_remote(cfg.dir) else Path(cfg.dir).absolute()
         self.run_config = _json_checked(dict(run_config or {}), "run_config")
@@ -148,10 +213,15 @@ class Checkpointer:
             raise CheckpointError(f"refusing to save step {step} to {self.step_dir(step)}: params leaf {bad!r} "
                                   "is not finite (NaN/Inf); the checkpoints on disk are left as they are")
         data = _json_checked(dict(data_state or {}), f"data iterator state at step {step}")
+        params, progress = state.params, {"step": state.step, "rng": state.rng}
+        if self.params_mask is not None:  # the trained params only, and the frozen ones' fingerprint
+            if self._fingerprint is None:
+                self._fingerprint = frozen_fingerprint(state.params, self.params_mask)[1]
+            params, progress = subset(params, self.params_mask), {**progress, FINGERPRINT: self._fingerprint}
         args = ocp.args.Composite(
-            params=ocp.args.StandardSave(state.params),
+            params=ocp.args.StandardSave(params),
             opt_state=ocp.args.StandardSave(state.opt_state),
-            progress=ocp.args.StandardSave({"step": state.step, "rng": state.rng}),
+            progress=ocp.args.StandardSave(progress),
             data=ocp.args.JsonSave(data),
             config=ocp.args.JsonSave(self.run_config),
         )
@@ -206,7 +276,8 @@ class Checkpointer:
         saved = {m.name: tuple(m.shape) for m in jax.tree.leaves(tree) if hasattr(m, "shape")}
         want = {path_str(p): tuple(jnp.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(target)}
         where = f"checkpoint {self.step_dir(step)} item {item!r}"
-        hint = " (did optimizer.trainable / optimizer.frozen change?)" if item == "opt_state" else ""
+        hint = {"opt_state": " (did optimizer.trainable / optimizer.frozen change?)",
+                "params": " (did checkpoint.save_frozen or the trained params change?)"}.get(item, "")
         for k in want:
             if k not in saved:
                 raise CheckpointError(f"{where}: missing {k!r}{hint}")
@@ -217,10 +288,12 @@ class Checkpointer:
             if saved[k] != sh:
                 raise CheckpointError(f"{where}: {k!r} has shape {saved[k]}, expected {sh}")
 
-    def restore(self, abstract_state: TrainState, step: int | None = None
+    def restore(self, abstract_state: TrainState, step: int | None = None, frozen: Callable[[], Any] | None = None
                 ) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
         """(state, data_state, run_config) of `step` (default: the newest complete one), with every
-        array in the dtype and sharding of `abstract_state` (arrays or ShapeDtypeStructs)."""
+        array in the dtype and sharding of `abstract_state` (arrays or ShapeDtypeStructs).
+        `frozen()`: the run's initial params, where a `save_frozen: false` checkpoint takes its
+        frozen params from (their fingerprint checked first)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no checkpoint in {self.directory}")
@@ -232,6 +305,15 @@ class Checkpointer:
             "opt_state": abstract_state.opt_state,
             "progress": {"step": abstract_state.step, "rng": abstract_state.rng},
         }
+        mask = self.params_mask
+        if mask is not None:
+            if frozen is None:
+                raise CheckpointError(f"checkpoint {self.step_dir(step)} holds only the trained params: restoring "
+                                      "it needs the run's initial params for the frozen ones")
+            n = sum(1 for x, m in zip(jax.tree.leaves(abstract_state.params), jax.tree.leaves(mask))
+                    if not m and jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+            targets["params"] = subset(abstract_state.params, mask)
+            targets["progress"][FINGERPRINT] = jax.ShapeDtypeStruct((n,), jnp.float32)
         for item, target in targets.items():
             self._check_item(step, item, target)
         args = ocp.args.Composite(
@@ -239,8 +321,12 @@ class Checkpointer:
             data=ocp.args.JsonRestore(), config=ocp.args.JsonRestore(),
         )
         out = self.manager.restore(step, args=args)
-        progress = out["progress"]
-        state = TrainState(params=out["params"], opt_state=out["opt_state"], step=progress["step"],
+        progress, params = out["progress"], out["params"]
+        if mask is not None:
+            initial = frozen()
+            check_frozen(str(self.step_dir(step)), initial, mask, progress[FINGERPRINT])
+            params = merge_subset(initial, params)
+        state = TrainState(params=params, opt_state=out["opt_state"], step=progress["step"],
                            rng=progress["rng"])
         if int(jax.device_get(state.step)) != step:
             raise CheckpointError(f"checkpoint {self.step_dir(step)}: stored step "
@@ -263,4 +349,5 @@ class Checkpointer:
         return out["params"]
 
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "Checkpointer", "error_line", "first_nonfinite_leaf"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "Checkpointer", "error_line", "first_nonfinite_leaf",
+           "check_frozen", "frozen_fingerprint", "merge_subset", "subset"]

@@ -50,11 +50,12 @@ def move_aside(ckpt: Checkpointer, step: int) -> Any:
 
 def restore_newest_good(
     ckpt: Checkpointer, target: TrainState, *, message: Callable[[str], None],
-    on_config: Callable[[int, Mapping[str, Any]], None] | None = None,
+    on_config: Callable[[int, Mapping[str, Any]], None] | None = None, frozen: Callable[[], Any] | None = None,
 ) -> tuple[int, TrainState, dict[str, Any]] | None:
     """(step, state, data_state) of the newest readable checkpoint; None when there is none at all.
 
-    on_config(step, stored_config) runs before that step's arrays are read (it may refuse)."""
+    on_config(step, stored_config) runs before that step's arrays are read (it may refuse).
+    frozen(): the run's initial params, for a checkpoint without its frozen ones (`Checkpointer.restore`)."""
     moved: list[str] = []
     for step in sorted(ckpt.all_steps(), reverse=True):
         try:
@@ -65,7 +66,7 @@ def restore_newest_good(
         if on_config is not None:
             on_config(step, stored)
         try:
-            state, data_state, _ = ckpt.restore(target, step)
+            state, data_state, _ = ckpt.restore(target, step, frozen=frozen)
         except CORRUPTION_ERRORS as e:
             moved.append(_aside(ckpt, step, "arrays", e, message))
             continue

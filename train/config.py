@@ -137,7 +137,10 @@ class TrainConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints in `dir` (None: no checkpoints): every `every_steps` steps (0: only the
-    final one), the newest `keep` kept; `async_save` writes in a background thread."""
+    final one), the newest `keep` kept; `async_save` writes in a background thread.
+    `save_frozen: false`: a checkpoint holds only the params the optimizer trains (LoRA: the
+    adapters); the frozen ones are re-read from the run's initial weights on resume and export,
+    checked against a fingerprint the checkpoint keeps (`train.checkpoint`)."""
 
     dir: str | None = None
     every_steps: int = 1000
@@ -145,6 +148,7 @@ class CheckpointConfig:
     async_save: bool = True
     save_on_sigterm: bool = True
     save_final: bool = True
+    save_frozen: bool = True
 
     def __post_init__(self) -> None:
         if self.every_steps < 0:

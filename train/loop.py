@@ -163,6 +163,7 @@ def run(
     abstract_state: TrainState | None = None,
     resume_must_match: Sequence[str] = (),
     resume_defaults: Mapping[str, Any] | None = None,
+    params_mask: Any = None,
 ) -> LoopResult:
     """Trains until `config.train.steps` updates (counting those of a resumed checkpoint).
 
@@ -179,6 +180,8 @@ def run(
     resume_must_match: dotted prefixes of `run_config` that a resumed checkpoint's stored config must
       equal (`train.config_diff`; `train.resume: force` accepts a difference and logs it).
     resume_defaults: the default `run_config` (a key a checkpoint predates matches at its default).
+    params_mask: params-shaped bools, True = trained: what a `checkpoint.save_frozen: false`
+      checkpoint holds (a resume then builds the initial state for the frozen params).
     """
     say = logger.message if logger is not None else print
     with run_lock([config.checkpoint.dir if checkpointer is None else checkpointer.directory,
@@ -187,18 +190,18 @@ def run(
                     run_config=run_config, flops_per_step=flops_per_step, peak_flops=peak_flops,
                     tokens_per_step=tokens_per_step, on_checkpoint=on_checkpoint, on_step=on_step,
                     checkpointer=checkpointer, logger=logger, abstract_state=abstract_state,
-                    resume_must_match=resume_must_match, resume_defaults=resume_defaults)
+                    resume_must_match=resume_must_match, resume_defaults=resume_defaults, params_mask=params_mask)
 
 
 def _run(train_step: Callable, state: Any, batches: Any, *, config: TrainerConfig, data_state_fn: Any, eval_fn: Any,
          run_config: Any, flops_per_step: Any, peak_flops: Any, tokens_per_step: Any, on_checkpoint: Any,
          on_step: Any, checkpointer: Any, logger: Any, abstract_state: Any,
-         resume_must_match: Sequence[str], resume_defaults: Mapping[str, Any] | None) -> LoopResult:
+         resume_must_match: Sequence[str], resume_defaults: Mapping[str, Any] | None, params_mask: Any) -> LoopResult:
     """`run` inside the run lock."""
     tc, cc = config.train, config.checkpoint
     ckpt, own_ckpt, own_log = checkpointer, False, logger is None
     if ckpt is None and cc.dir is not None:
-        ckpt, own_ckpt = Checkpointer(cc, run_config=run_config), True
+        ckpt, own_ckpt = Checkpointer(cc, run_config=run_config, params_mask=params_mask), True
     log = logger or MetricsLogger(config.logging, total_steps=tc.steps, log_every=tc.log_every,
                                   run_config=run_config, flops_per_step=flops_per_step, peak_flops=peak_flops)
 
@@ -214,13 +217,22 @@ def _run(train_step: Callable, state: Any, batches: Any, *, config: TrainerConfi
                          + "; ".join(diff))
 
     resumed_from = None
+    initial: list[Any] = []  # the initial state, once built (a resume without frozen params needs it)
+
+    def initial_state() -> Any:
+        if not initial:
+            initial.append(state() if callable(state) else state)
+        return initial[0]
+
     if ckpt is not None and ckpt.all_steps():
         target = abstract_state if abstract_state is not None else _abstract_state(state)
-        found = restore_newest_good(ckpt, target, message=log.message, on_config=on_config)
+        found = restore_newest_good(ckpt, target, message=log.message, on_config=on_config,
+                                    frozen=lambda: initial_state().params)
         if found is not None:
             resumed_from, state, data_state = found
-    if resumed_from is None and callable(state):
-        state = state()
+    if resumed_from is None:
+        state = initial_state()
+    initial.clear()  # a resumed run keeps only the initial state's frozen params
     it = _open_batches(batches, data_state)
     if data_state_fn is None and hasattr(it, "get_state"):
         data_state_fn = it.get_state

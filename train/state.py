@@ -34,9 +34,11 @@ class TrainState:
         return dataclasses.replace(self, **changes)
 
 
-def _cast_master(params: Any, master_dtype: jnp.dtype, keep_fp32: tuple[str, ...], frozen: Any = None,
+def cast_master(params: Any, master_dtype: jnp.dtype, keep_fp32: tuple[str, ...], frozen: Any = None,
                  frozen_dtype: jnp.dtype | None = None) -> Any:
-    """`frozen` (params-shaped bools, True = frozen) with `frozen_dtype`: frozen leaves take that dtype."""
+    """`params` in their master dtypes: floating leaves in `master_dtype`, those matching `keep_fp32`
+    in fp32, and with `frozen` (params-shaped bools, True = frozen) and `frozen_dtype` the frozen
+    leaves in that dtype (what `init_train_state` holds)."""
     def cast(path: tuple[Any, ...], x: Any, is_frozen: bool = False) -> jax.Array:
         x = jnp.asarray(x)
         if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -71,7 +73,7 @@ def init_train_state(
 
     def build(p: Any) -> TrainState:
         frozen = None if fdt is None else jax.tree.map(lambda t: not t, optimizer.trainable_mask(p))
-        p = _cast_master(p, dtype, keep_fp32, frozen, fdt)
+        p = cast_master(p, dtype, keep_fp32, frozen, fdt)
         return TrainState(
             params=p, opt_state=optimizer.init(p), step=jnp.zeros((), jnp.int32),
             rng=jax.random.key_data(jax.random.key(seed)),
@@ -87,4 +89,4 @@ def abstract_train_state(init_fn: Callable[[], TrainState]) -> TrainState:
     return jax.eval_shape(init_fn)
 
 
-__all__ = ["FP32_ONLY_PATTERNS", "TrainState", "abstract_train_state", "init_train_state"]
+__all__ = ["FP32_ONLY_PATTERNS", "TrainState", "abstract_train_state", "cast_master", "init_train_state"]

@@ -2,8 +2,8 @@
 resume, the merged export and the PEFT adapter (`export.adapters`, `launch.py export --adapters`).
 
 One tiny run (2-layer tiny-qwen3.6, real vocabulary, bf16 compute, rank-4 adapters on the default
-targets with dropout 0.1, a fp32 qwen export and its adapter) of 4 steps, and the same run resumed from its step-2
-checkpoint to 4; checked against the init params read back from the checkpoint (frozen:
+targets with dropout 0.1, a fp32 qwen export and its adapter, checkpoints of the trained params
+only) of 4 steps, and the same run resumed from its step-2 checkpoint to 4; checked against the init params read back from the checkpoint (frozen:
 bit-identical, in bf16), the uninterrupted run (resume: bit-identical losses and params), the
 adapted model's forward (the merged HF export) and transformers + peft (the adapter on the init
 checkpoint gives the merged export's logits).
@@ -45,7 +45,7 @@ eval: {{t_values: [0.5], max_batches: 1, decode: {{every: 0}}}}
 lora: {{rank: 4, alpha: 8, dropout: 0.1}}
 train: {{steps: {steps}, eval_every: 0, log_every: 1, seed: 7, compiler_options: {{cpu: {{xla_backend_optimization_level: 0}}}}}}
 optimizer: {{lr: 1.0e-2, warmup_steps: 1}}
-checkpoint: {{every_steps: 2, keep: 10, async_save: false}}
+checkpoint: {{every_steps: 2, keep: 10, async_save: false, save_frozen: false}}
 logging: {{run_dir: {run}, console_every: 1, progress: "off", wandb: {{mode: disabled}}}}
 export: {{dir: {run}/hf, dtype: float32, format: qwen, adapters: true}}
 devices: 1
@@ -113,10 +113,33 @@ def test_only_adapters_and_full_trainables_train_and_the_base_stays_in_bf16(runs
 
 
 def test_a_resumed_run_is_bit_identical(runs):
+    """Resumed from a checkpoint of the trained params only (`checkpoint.save_frozen: false`: the
+    frozen base re-read from the init checkpoint): the same losses and params as the run itself."""
     la, lb = runs["losses_a"], runs["losses_b"]
     assert len(la) == STEPS and lb == la
     for k in runs["a"]:
         np.testing.assert_array_equal(np.asarray(runs["a"][k]), np.asarray(runs["b"][k]), err_msg=k)
+    import orbax.checkpoint as ocp
+
+    meta = ocp.StandardCheckpointer().metadata((runs["run"] / "checkpoints" / "2" / "params").absolute())
+    saved = {m.name for m in jax.tree.leaves(getattr(meta, "item_metadata", meta).tree) if hasattr(m, "shape")}
+    full = runs["cfg"].lora.full_trainable
+    assert saved == {k for k in runs["a"] if lora.is_adapter(k) or any(re.search(p, k) for p in full)}
+
+
+def test_a_merged_export_of_the_training_checkpoint_is_the_runs_own(runs, tmp_path, capsys):
+    """`launch.py export --checkpoint <run>/checkpoints` of a run that saved only its trained
+    params (the base re-read from its init) writes the tensors of the run's end-of-run export."""
+    from tests.hf_fixtures import read_all_tensors
+    from tests.launch.launch_utils import run_main
+
+    out = tmp_path / "merged"
+    rc, _, err = run_main(["export", "--checkpoint", str(runs["run"] / "checkpoints"), "--out", str(out)], capsys)
+    assert rc == 0, err
+    got, want = read_all_tensors(out), read_all_tensors(runs["cfg"].export_dir)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 def test_the_merged_export_is_the_adapted_model(runs):

@@ -7,6 +7,7 @@ deterministic `ToyBatches` stream (see `_worker`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -261,4 +262,42 @@ def test_restore_into_a_sharded_layout(tmp_path):
     emb = got.params["embed"]["embedding"]
     assert emb.sharding == NamedSharding(mesh, P("fsdp")) and len(emb.addressable_shards) == 8
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, got), want)
+    ck.close()
+
+
+def test_a_checkpoint_without_frozen_params_holds_the_trained_ones_and_refuses_other_base_weights(tmp_path):
+    """`save_frozen: false`: the params item holds only the trained leaves (the item's own
+    metadata), a restore takes the frozen ones from the initial params and gives back the saved
+    state bit for bit; initial params whose frozen leaves differ (another init checkpoint) are
+    refused naming the leaf, as is a restore without them."""
+    from train.checkpoint import CheckpointError, Checkpointer
+    from train.config import CheckpointConfig
+
+    state, opt = _toy_state(trainable=("head",))
+    mask = opt.trainable_mask(state.params)
+    # as after some training: the trained leaves moved, the frozen ones did not
+    trained = state.replace(params={**state.params, "head": jax.tree.map(lambda x: x + 1.0, state.params["head"])},
+                            step=jnp.asarray(3, jnp.int32))
+    cfg = CheckpointConfig(dir=str(tmp_path / "c"), async_save=False, save_frozen=False)
+    with pytest.raises(CheckpointError, match="save_frozen: false needs to know which params train"):
+        Checkpointer(cfg)
+    ck = Checkpointer(cfg, params_mask=mask)
+    ck.save(trained)
+    saved = {m.name for m in jax.tree.leaves(ck.manager.item_metadata(3)["params"].tree) if hasattr(m, "shape")}
+    assert saved == {"head.kernel", "head.bias"}
+    abstract = jax.eval_shape(lambda: state)
+    got, _, _ = ck.restore(abstract, frozen=lambda: state.params)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, trained))
+    with pytest.raises(CheckpointError, match="needs the run's initial params"):
+        ck.restore(abstract)
+    other = {**state.params, "embed": jax.tree.map(lambda x: x * 1.01, state.params["embed"])}
+    with pytest.raises(CheckpointError, match=r"not those it was trained with: 'embed\.\w+'"):
+        ck.restore(abstract, frozen=lambda: other)
+    # a full checkpoint is not one without frozen params (and the other way round): the item names it
+    full = Checkpointer(CheckpointConfig(dir=str(tmp_path / "f"), async_save=False))
+    full.save(trained)
+    full.close()
+    with pytest.raises(CheckpointError, match="unexpected entries .*embed.*save_frozen"):
+        Checkpointer(dataclasses.replace(cfg, dir=str(tmp_path / "f")), params_mask=mask).restore(
+            abstract, frozen=lambda: state.params)
     ck.close()
