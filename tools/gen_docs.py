@@ -61,6 +61,16 @@ KINDS: list[tuple[str, str, str, str]] = [
     ("compile_agent_mix_v5p-64_seq8192_moe_bf16", "AOT plan of the SFT step with the bf16 MoE path (no fp32 "
      "[rows*k, D] buffers): per-chip memory, roofline step time, HBM bytes by category",
      "predicted", "python launch.py compile --config configs/agent_mix.yaml --topology v5p-64 --breakdown --json F"),
+    ("compile_agent_long_v5p-128_seq32768_context8_moe_bf16", "AOT plan of the 32K SFT step with the bf16 MoE path, "
+     "contiguous layout: per-chip memory, roofline step time, HBM bytes by category", "predicted",
+     "python launch.py compile --config configs/agent_long.yaml --topology v5p-128 --breakdown --json F "
+     "model.context_layout=contiguous"),
+    ("compile_agent_long_v5p-128_seq32768_context8_zigzag_moe_bf16", "AOT plan of the 32K SFT step with the bf16 MoE "
+     "path, zig-zag layout (the config's): per-chip memory, roofline step time, HBM bytes by category", "predicted",
+     "python launch.py compile --config configs/agent_long.yaml --topology v5p-128 --breakdown --json F"),
+    ("compile_agent_long_128k_v5p-256_seq131072_context32_zigzag_moe_bf16", "AOT plan of the 128K SFT step with the "
+     "bf16 MoE path: per-chip memory, roofline step time, HBM bytes by category", "predicted",
+     "python launch.py compile --config configs/agent_long_128k.yaml --topology v5p-256 --breakdown --json F"),
     ("compile_", "AOT plan of the SFT step: per-chip memory of the compiled program, roofline step time",
      "predicted", "python launch.py compile --config C --topology T --json F"),
     ("gpu_plan", "a TPU-compiled SFT step plan at a GPU host's memory and roofline (no GPU compile: an estimate)",

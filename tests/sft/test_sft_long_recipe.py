@@ -22,6 +22,7 @@ def test_agent_long_recipe():
     assert min(w["swe_agent"], w["tau_airline"]) > max(v for k, v in w.items() if k not in ("swe_agent", "tau_airline"))
     assert long.data.seq_len * long.data.batch_size == mix.data.seq_len * mix.data.batch_size
     assert long.data.batch_size % long.train.micro_batches == 0 and long.optimizer == mix.optimizer
+    assert m.context_layout == "zigzag"  # every context shard the same causal share of attention
 
 
 def test_agent_long_128k_recipe():
