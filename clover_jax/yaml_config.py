@@ -266,6 +266,11 @@ def _coerce(tp: Any, value: Any, key: str, where: str) -> Any:
         # Compare types too: YAML `1` must not satisfy Literal[True] and vice versa.
         if any(type(value) is type(a) and value == a for a in args):
             return value
+        # YAML 1.1 reads a bare on / off (yes / no) as a bool: `logging.progress=off` means the word
+        word = {True: ("on", "yes", "true"), False: ("off", "no", "false")}.get(value) if isinstance(value, bool) else ()
+        hit = [a for a in args if isinstance(a, str) and a in word]
+        if len(hit) == 1:
+            return hit[0]
         raise ConfigError(f"{where}: {key}: expected one of "
                           f"{', '.join(repr(a) for a in args)}, got {value!r}")
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):

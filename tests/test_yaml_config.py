@@ -249,6 +249,22 @@ def test_literal_violation_lists_allowed_values():
     assert cfg.train.optim.schedule == "constant"
 
 
+@dataclass(frozen=True)
+class Switches:
+    progress: Literal["auto", "on", "off"] = "auto"
+    flag: Literal[True, False, "auto"] = "auto"
+
+
+def test_a_bare_on_or_off_means_the_word_where_a_literal_lists_it():
+    """YAML 1.1 reads `progress=off` as False: a Literal listing "off" takes the word; a Literal
+    listing the bool itself keeps the bool; a bool no listed word spells is still an error."""
+    assert from_tree(Switches, {"progress": False}).progress == "off"
+    assert load_config(Switches, None, ["progress=on"]).progress == "on"
+    assert from_tree(Switches, {"flag": False}).flag is False
+    with pytest.raises(ConfigError, match="expected one of 'cosine', 'constant', got True"):
+        load_config(Root, None, ["model.hidden=8", "train.optim.schedule=yes"])
+
+
 def test_partial_section_refines_default_instance():
     cfg = load_config(WithTinyDefault, None, ["optim.betas=[0.1]"])
     assert cfg.optim == Optim(lr=0.5, schedule="constant", betas=(0.1,))
