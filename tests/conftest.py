@@ -2,6 +2,7 @@
 chips), 8 simulated devices for sharding tests, fp32 matmuls at full precision."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -10,13 +11,19 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # libtpu (AOT compiles for TPU topologies) takes a host-wide lockfile; with no chips here nothing is
 # shared, so let several test processes / compiles load it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# Every XLA program is compiled once per machine: a program another test file, worker, subprocess
+# (environment variables reach `launch.py` runs) or earlier run already compiled - the tiny model's
+# forward, a kernel at the same shapes - is read back from this cache: the same executable, so no
+# result changes, only compile time is saved. Keys are content hashes (HLO, compile options, jax /
+# XLA versions): changed code compiles anew. With a size limit the cache takes a file lock around
+# reads and writes (the xdist workers share it).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "clover_jax_test_xla_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-
-import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 

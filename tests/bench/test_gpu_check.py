@@ -67,6 +67,15 @@ def test_smoke_runs_every_part_and_the_kernels_match_the_reference(tmp_path):
         assert json.loads(open(c[name]["out"]).read()) == json.loads(json.dumps(c[name]["report"]))
         assert c[name]["out"] == str(tmp_path / f"gpu_check_{name}.json")
         assert all(err <= 1e-4 for row in c[name]["report"]["rows"] for err in row["errors"].values())
+    # part c runs `attention_gpu.py --smoke` as a user would: its checks live here, not in a second
+    # smoke run (tests/bench/test_bench_attention_gpu.py has the options --smoke leaves out)
+    att = c["attention_gpu"]["report"]
+    [row] = att["rows"]
+    assert row["T"] == 256 and row["reference_run"] and not att["skipped"]
+    assert set(row["errors"]) == {"out_clean", "out_noisy", "dq_clean", "dq_noisy", "dk", "dv"}
+    keys = {f"{b}_{p}" for b in ("flash", "reference") for p in ("fwd", "fwd_bwd")}
+    assert set(row["time_s"]) == keys and all(t > 0 for t in row["time_s"].values())
+    assert att["model"] is None  # the model check is not part of --smoke
 
 
 def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):

@@ -149,7 +149,7 @@ def to_torch(x: Any) -> Any:
 
 
 __all__ = [
-    "FAST_COMPILE", "FP32_REL", "assert_rel_close", "rounding_floor", "fast_jit", "hf_causal_mask", "hf_position_embeddings",
+    "FAST_COMPILE", "FP32_REL", "assert_rel_close", "rounding_floor", "fast_jit", "fast_nnx_jit", "hf_causal_mask", "hf_position_embeddings",
     "our_attention_ctx", "our_gdn_ctx", "our_layer", "our_layer_ctx", "our_moe_ctx", "rel_err", "to_torch",
 ]
 
@@ -158,4 +158,16 @@ def fast_jit(fn):
     """`jax.jit(fn)` lowered and compiled with `FAST_COMPILE` at each call (one-shot parity programs)."""
     def call(*args):
         return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+    return call
+
+
+def fast_nnx_jit(fn):
+    """`nnx.jit(fn)` for `fn(module, *arrays)` that leaves the module unchanged, compiled with
+    `FAST_COMPILE`: one program per module structure (graphdef) and input shapes, as nnx.jit."""
+    jitted = jax.jit(lambda graphdef, state, *args: fn(nnx.merge(graphdef, state), *args), static_argnums=0,
+                     compiler_options=FAST_COMPILE)
+
+    def call(module, *args):
+        graphdef, state = nnx.split(module)
+        return jitted(graphdef, state, *args)
     return call

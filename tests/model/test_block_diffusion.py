@@ -19,9 +19,12 @@ from flax import nnx
 from clover_jax.model.attention import two_stream_mask
 from clover_jax.config import get_preset
 from clover_jax.model.clover_model import check_block_aligned, create_model, document_positions, shift_predictions
-from tests.model.parity_utils import FP32_REL, assert_rel_close
+from tests.model.parity_utils import FAST_COMPILE, FP32_REL, assert_rel_close
 
 MASK = 255
+#: every program here runs a few times on tiny shapes: XLA:CPU's backend at optimisation level 0
+#: (the same HLO, fp32 at HIGHEST) halves their compile time, which is nearly all of this file's cost
+jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 
 
 def randomised_block_model(seed: int = 0, **overrides):
@@ -67,9 +70,9 @@ def _model(logits_shift: bool = True, coreset: int | None = None):
 def _jitted(logits_shift: bool, block: int, coreset: int | None = None):
     """jit'ed training forward, block step and commit pass of the shared model for one block size."""
     _, model = _model(logits_shift, coreset)
-    train = jax.jit(lambda i, n, s: model.block_logits(i, n, block_size=block, segment_ids=s))
-    step = jax.jit(lambda c, cache, s: model.block_step(c, cache, segment_ids=s))
-    commit = jax.jit(lambda i, cache, s: model.extend(i, cache, segment_ids=s)[1])
+    train = jit(lambda i, n, s: model.block_logits(i, n, block_size=block, segment_ids=s))
+    step = jit(lambda c, cache, s: model.block_step(c, cache, segment_ids=s))
+    commit = jit(lambda i, cache, s: model.extend(i, cache, segment_ids=s)[1])
     return model, train, step, commit
 
 
@@ -144,9 +147,9 @@ def test_clean_stream_equals_ar_forward():
     ids, seg = packed_row(rng, 32, 4, [13, 16])
     ids, seg = ids[None], seg[None]
     noisy = noised(rng, ids, seg)
-    h_clean, _, aux = jax.jit(lambda i, n, s: model.two_stream_hidden(i, n, block_size=4, segment_ids=s))(
+    h_clean, _, aux = jit(lambda i, n, s: model.two_stream_hidden(i, n, block_size=4, segment_ids=s))(
         ids, noisy, seg)
-    ar = jax.jit(lambda i, s: model(i, segment_ids=s))(ids, seg)
+    ar = jit(lambda i, s: model(i, segment_ids=s))(ids, seg)
     got = np.asarray(model.logits(h_clean))
     assert_rel_close(got, np.asarray(ar), FP32_REL, "clean stream vs AR forward")
     # the load statistics count both streams' real tokens, pads excluded
@@ -216,7 +219,7 @@ def test_gradients_reach_clover_parameters():
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(target)[..., None], -1)[..., 0]
         return jnp.sum(jnp.where(masked, nll, 0.0)) / jnp.sum(masked)
 
-    grads = nnx.to_flat_state(jax.jit(jax.grad(loss))(params))  # one program (op by op: a compile per op)
+    grads = nnx.to_flat_state(jit(jax.grad(loss))(params))  # one program (op by op: a compile per op)
     seen = 0
     for path, g in grads:
         if path[-1] in ("bd_gdn_softmax_scalars", "right"):
@@ -256,14 +259,14 @@ def test_block_step_history_share_follows_the_calibration_logit():
     graphdef, params = nnx.split(model, nnx.Param)
     ids = jnp.asarray(np.random.default_rng(5).integers(2, MASK, (1, 8)), jnp.int32)
 
-    @jax.jit
+    @jit
     def shares(p):
         m = nnx.merge(graphdef, p)
         _, cache = m.extend(ids[:, :4], m.init_cache(1, 8))
         fresh = m.block_step(ids[:, :4], m.init_cache(1, 8), return_stats=True)[1]["history_share"]
         return fresh, m.block_step(ids[:, 4:].at[:, 1:].set(MASK), cache, return_stats=True)[1]["history_share"]
 
-    @jax.jit
+    @jit
     def by_position(p):  # two rows, the second's last canvas position a pad
         m = nnx.merge(graphdef, p)
         ids2 = jnp.concatenate([ids, ids[:, ::-1]])
@@ -308,7 +311,7 @@ def test_qwen_checkpoint_in_block_mode_reproduces_hf_on_the_clean_stream(tmp_pat
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
     noisy = np.where(rng.random(ids.shape) < 0.5, 3, ids).astype(np.int32)
-    h_clean, _, _ = jax.jit(lambda i, n: model.two_stream_hidden(i, n, block_size=4))(ids, noisy)
+    h_clean, _, _ = jit(lambda i, n: model.two_stream_hidden(i, n, block_size=4))(ids, noisy)
     # the fp32 HF parity criterion of tests/model/test_parity_hf.py (REL)
     assert_rel_close(np.asarray(model.logits(h_clean)), hf_logits(hf, ids), 2e-5, "block-mode clean stream vs HF")
 
@@ -329,9 +332,9 @@ def test_pallas_backend_equals_reference_in_the_model(mode):
     out = []
     for model in (model_ref, model_pl):
         if mode == "block":
-            fwd = jax.jit(lambda i, n, s, m=model: m.block_logits(i, n, block_size=4, segment_ids=s))
+            fwd = jit(lambda i, n, s, m=model: m.block_logits(i, n, block_size=4, segment_ids=s))
         else:
-            fwd = jax.jit(lambda i, n, s, m=model: m(i, segment_ids=s))
+            fwd = jit(lambda i, n, s, m=model: m(i, segment_ids=s))
         out.append(np.asarray(fwd(ids, noisy, seg)))
     ref, got = out
     keep = np.asarray(seg[0] > 0)

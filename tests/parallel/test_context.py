@@ -1,6 +1,7 @@
 """The `context` mesh axis (pallas_kernels/context/split.py, the `length -> context` rule of
 parallel/sharding.py): rows split into contiguous shards, the split's validation names the keys, and
-the whole model with its rows sharded over `context` equals the one-device run (and compiles for TPU)."""
+the whole model with its rows sharded over `context` equals the one-device run, and the recipe's step
+compiles for TPU in both layouts (its gradients reduce-scattered, no whole row gathered)."""
 
 from __future__ import annotations
 
@@ -176,21 +177,75 @@ def test_model_training_with_context_equals_single_device(params, reference, mes
         np.testing.assert_allclose(g[0], r[0], rtol=0, atol=FP32_REL * scale, err_msg=jax.tree_util.keystr(path))
 
 
+# The recipe's SFT step compiled for TPU (libtpu on this CPU host) with (fsdp 2, context 2) on v5p-8, at
+# the smallest widths that keep both mixers (the `tiny` preset, 2 layers, 2 rows x 64 tokens, block 16:
+# two blocks per shard, one per zigzag piece). One compile per layout, shared by the tests below.
+CONTEXT_RECIPE = ["model.preset=tiny", "model.num_hidden_layers=2", "model.layer_types=[linear_attention,full_attention]",
+                  "data.seq_len=64", "data.batch_size=2", "train.micro_batches=1", "mesh.fsdp=2", "mesh.expert=1",
+                  "mesh.context=2", "loss.chunk_tokens=128", "model.block_size=16"]
+
+
+@pytest.fixture(scope="module")
+def context_plan():
+    """layout -> the compiled AOT plan of the recipe's SFT step (CONTEXT_RECIPE), compiled once."""
+    import launch
+
+    plans = {}
+
+    def get(layout: str):
+        if layout not in plans:
+            (plans[layout],) = launch._sft_compile_plans("configs/agent_mix.yaml",
+                                                         CONTEXT_RECIPE + [f"model.context_layout={layout}"], ["v5p-8"])
+        return plans[layout]
+    return get
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_sft_step_with_context_compiles_for_tpu(layout):
-    """TPU AOT (libtpu on this CPU host) of the recipe's SFT step on v5p-8 with (fsdp 2, context 2),
-    at the smallest widths that keep both mixers (the `tiny` preset, 2 layers, 2 rows x 64 tokens,
-    block 16: two blocks per shard, one per zigzag piece), in both context layouts: it compiles and
+def test_sft_step_with_context_compiles_for_tpu(context_plan, layout):
+    """TPU AOT of the recipe's SFT step (CONTEXT_RECIPE) in both context layouts: it compiles and
     fits, and the program holds the context exchanges (the conv halo and entry-segment `ppermute`s, the K/V and shard-map
     all-gathers), and the attention runs the splash kernels per shard (the recipe's TPU backend under
     a context mesh). It only has to prove the context step compiles for a TPU topology."""
-    import launch
-
-    recipe = ["model.preset=tiny", "model.num_hidden_layers=2", "model.layer_types=[linear_attention,full_attention]",
-              "data.seq_len=64", "data.batch_size=2", "train.micro_batches=1", "mesh.fsdp=2", "mesh.expert=1",
-              "mesh.context=2", "loss.chunk_tokens=128", f"model.context_layout={layout}", "model.block_size=16"]
-    (p,) = launch._sft_compile_plans("configs/agent_mix.yaml", recipe, ["v5p-8"])
+    p = context_plan(layout)
     assert p.compiled and p.fits and p.mesh_shape["context"] == 2
     hlo = p.executable.as_text()
     assert "collective-permute" in hlo and "all-gather" in hlo
     assert all(f"%splash_mha_{k}" in hlo for k in ("fwd", "dq", "dkv")), "no splash kernel per context shard"
+
+
+def test_fsdp_context_step_reduce_scatters_gradients_and_never_gathers_whole_rows(context_plan):
+    """agent_long's layout (no expert axis; weights' embed dim FSDP-sharded over fsdp x context; two
+    rows per batch shard: the complementary copy) on the contiguous plan above: the gradients of the
+    expert weights (the MoE's shard_map) and of the lm_head (the chunked CE's) leave as
+    reduce-scatters onto the parameters' shards (gate and up as one [E, D/4, 2I]: the MoE joins them
+    on the shard before its all-gather; [E, I, D/4]; [D/4, V]), never as an all-reduce of the whole
+    weight (shard_map's transpose psums the whole cotangent of an operand that enters replicated; the
+    CE reduced dW across devices per chunk: in the agent_long 32K plan ~0.39 TB + ~0.78 TB of
+    all-reduce per chip per step); and no [rows, 2T, D] hidden state is all-gathered over context
+    (the MoE router flattened [B, 2T] to [B*2T], no sharding XLA can hold with two rows per device:
+    0.73 TB/chip/step and 2 + 4 GiB buffers per layer in the 128K plan). Oracle: the parameter
+    shapes, the rule table's 4-way split of the embed dim and the row shape, against the optimized
+    HLO's collectives."""
+    from train import hlo_cost
+
+    p = context_plan("contiguous")
+    assert p.compiled and p.mesh_shape == {"data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 1}
+    cfg = get_preset("tiny")
+    e, d, i, v = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.vocab_size
+    assert not cfg.tie_word_embeddings
+    full = {(e, d, i), (e, d, 2 * i), (e, i, d), (d, v)}
+    shards = {(e, d // 4, 2 * i), (e, i, d // 4), (d // 4, v)}
+    comps, _ = hlo_cost.parse_module(p.executable.as_text())
+    all_reduced, scattered, rows_gathered = [], set(), []
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            dims = [tuple(x for j, x in enumerate(s.dims) if x != 1 or j >= len(s.dims) - 3) for s in ins.results]
+            if ins.opcode in ("all-reduce", "all-reduce-start") and not comp.startswith("all-reduce-scatter"):
+                all_reduced += [x for x in dims if x in full]
+            if ins.opcode in ("reduce-scatter", "reduce-scatter-start"):
+                scattered |= {x for x in dims if x in shards}
+            if ins.opcode in ("all-gather", "all-gather-start"):
+                rows_gathered += [x for x in dims if x[-2:] == (2 * 64, d)]  # both streams of a 64-token row
+    assert not all_reduced, f"gradients all-reduced whole: {all_reduced}"
+    assert scattered == shards, f"gradients reduce-scattered to {scattered}, want {shards}"
+    assert not rows_gathered, f"whole rows all-gathered over context: {rows_gathered}"

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from clover_jax.parallel import sharding as sh
 from clover_jax.config import get_preset
 from clover_jax.model.clover_model import abstract_model, create_model, model_from_params, model_to_params, shift_predictions
-from tests.model.parity_utils import FP32_REL, assert_rel_close
+from tests.model.parity_utils import FAST_COMPILE, FP32_REL, assert_rel_close
 
 
 def test_mesh_config_fills_and_validates():
@@ -151,7 +151,9 @@ def _step(cfg, params, batch, mesh=None):
         ce = jnp.mean(nll(ar[:, :-1], b["ids"][:, 1:])) + jnp.sum(nll(bd, b["ids"]) * masked) / jnp.sum(masked)
         return ce + 0.01 * aux["lb_loss"], (ar, bd, aux["lb_loss"], aux["expert_counts"])
 
-    fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    # XLA:CPU's backend at optimisation level 0 (the same HLO, fp32 at HIGHEST) on the reference and every
+    # mesh: about half the compile time, which is nearly all of these tests' cost
+    fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), compiler_options=FAST_COMPILE)
     if mesh is None:
         return fn(params, batch)
     model = sh.shard_params(model_from_params(cfg, params), mesh)

@@ -3,7 +3,7 @@
 finite checkpoints; a second run on a busy run dir is refused within seconds (exit 2, the holder's
 PID); a resume under another train.seed (a key that must match) is refused with the diff (exit 2),
 and with train.resume=force it resumes and logs it. One train step compile: the later runs compile
-the same program, served by a persistent compilation cache."""
+the same program, served by the suite's persistent compilation cache (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -31,14 +31,7 @@ def setup(tmp_path_factory):
     cfg = tmp / "c.yaml"
     cfg.write_text(TEST_YAML.format(base=ROOT / "configs" / "sft_tiny.yaml", init=tmp / "init", run=run, steps=4))
     generate_init_checkpoint(load_sft_config(cfg))
-    saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-                                             "jax_persistent_cache_min_entry_size_bytes")}
-    jax.config.update("jax_compilation_cache_dir", str(tmp / "cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    yield dict(tmp=tmp, run=run, cfg=cfg)
-    for k, v in saved.items():
-        jax.config.update(k, v)
+    return dict(tmp=tmp, run=run, cfg=cfg)
 
 
 FAST = ["count_flops=false", "train.eval_every=0", "checkpoint.every_steps=1"]

@@ -162,48 +162,6 @@ def test_compile_plans_the_recipe_sft_step_for_v5p_64_at_seq_8192():
     assert d["roofline"]["bound"] in ("compute", "HBM bandwidth", "interconnect") and 0 < d["roofline"]["mfu"] < 1
 
 
-def test_fsdp_context_step_reduce_scatters_gradients_and_never_gathers_whole_rows():
-    """agent_long's layout (no expert axis; weights' embed dim FSDP-sharded over fsdp x context; two
-    rows per batch shard: the complementary copy) at the smallest widths (the `tiny` preset, 2
-    layers, fsdp 2 x context 2 on v5p-8): the gradients of the expert weights (the MoE's shard_map)
-    and of the lm_head (the chunked CE's) leave as reduce-scatters onto the parameters' shards (gate
-    and up as one [E, D/4, 2I]: the MoE joins them on the shard before its all-gather; [E, I, D/4];
-    [D/4, V]), never as an all-reduce of the whole weight (shard_map's transpose
-    psums the whole cotangent of an operand that enters replicated; the CE reduced dW across devices
-    per chunk: in the agent_long 32K plan ~0.39 TB + ~0.78 TB of all-reduce per chip per step); and
-    no [rows, 2T, D] hidden state is all-gathered over context (the MoE router flattened [B, 2T] to
-    [B*2T], no sharding XLA can hold with two rows per device: 0.73 TB/chip/step and 2 + 4 GiB
-    buffers per layer in the 128K plan). Oracle: the parameter shapes, the rule table's 4-way split
-    of the embed dim and the row shape, against the optimized HLO's collectives."""
-    import launch
-    from train import hlo_cost
-
-    recipe = ["model.preset=tiny", "model.num_hidden_layers=2", "model.layer_types=[linear_attention,full_attention]",
-              "data.seq_len=64", "data.batch_size=2", "train.micro_batches=1", "mesh.fsdp=2", "mesh.expert=1",
-              "mesh.context=2", "loss.chunk_tokens=128"]
-    (p,) = launch._sft_compile_plans("configs/agent_mix.yaml", recipe, ["v5p-8"])
-    assert p.compiled and p.mesh_shape == {"data": 1, "fsdp": 2, "expert": 1, "context": 2, "tensor": 1}
-    cfg = get_preset("tiny")
-    e, d, i, v = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.vocab_size
-    assert not cfg.tie_word_embeddings
-    full = {(e, d, i), (e, d, 2 * i), (e, i, d), (d, v)}
-    shards = {(e, d // 4, 2 * i), (e, i, d // 4), (d // 4, v)}
-    comps, _ = hlo_cost.parse_module(p.executable.as_text())
-    all_reduced, scattered, rows_gathered = [], set(), []
-    for comp, instrs in comps.items():
-        for ins in instrs:
-            dims = [tuple(x for j, x in enumerate(s.dims) if x != 1 or j >= len(s.dims) - 3) for s in ins.results]
-            if ins.opcode in ("all-reduce", "all-reduce-start") and not comp.startswith("all-reduce-scatter"):
-                all_reduced += [x for x in dims if x in full]
-            if ins.opcode in ("reduce-scatter", "reduce-scatter-start"):
-                scattered |= {x for x in dims if x in shards}
-            if ins.opcode in ("all-gather", "all-gather-start"):
-                rows_gathered += [x for x in dims if x[-2:] == (2 * 64, d)]  # both streams of a 64-token row
-    assert not all_reduced, f"gradients all-reduced whole: {all_reduced}"
-    assert scattered == shards, f"gradients reduce-scattered to {scattered}, want {shards}"
-    assert not rows_gathered, f"whole rows all-gathered over context: {rows_gathered}"
-
-
 def test_cli_reports_a_step_that_does_not_fit(capsys):
     """Dense full attention (the jnp reference: splash would fit) over 32k tokens x 4 rows per chip of
     a 16 GiB v5e chip: the planner says it does not fit, how much it needs, and what to try; the CLI
@@ -219,18 +177,29 @@ def test_cli_reports_a_step_that_does_not_fit(capsys):
     assert "compile.remat=full" in err and "compile.micro_batch=4" in err
 
 
-def test_cli_writes_the_plan_json_and_the_optimized_hlo(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def cli_plan(tmp_path_factory):
+    """One `launch.py compile` of the tiny model's stand-in step on v5litepod-4 with `--breakdown
+    --json --hlo` (one compile shared by the two tests below): (exit code, stdout, output dir)."""
+    import io
+
+    import launch
+
+    out_dir, buf = tmp_path_factory.mktemp("cli_plan"), io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = launch.main(["compile", "--topology", "v5litepod-4", "--breakdown", "--json", str(out_dir / "plan.json"),
+                          "--hlo", str(out_dir / "plan"), "model.preset=tiny", "model.num_hidden_layers=2",
+                          "compile.seq_len=128", "compile.micro_batch=4", "mesh.fsdp=4"])
+    return rc, buf.getvalue(), out_dir
+
+
+def test_cli_writes_the_plan_json_and_the_optimized_hlo(cli_plan):
     """`--json` holds the printed plan's numbers and `--hlo` the optimized program they come from
     (the collective counts of the JSON can be traced back to the HLO's ops)."""
     import gzip
     import json
 
-    import launch
-
-    rc = launch.main(["compile", "--topology", "v5litepod-4", "--json", str(tmp_path / "plan.json"), "--hlo",
-                      str(tmp_path / "plan"), "model.preset=tiny", "model.num_hidden_layers=2",
-                      "compile.seq_len=128", "compile.micro_batch=4", "mesh.fsdp=4"])
-    out = capsys.readouterr().out
+    rc, out, tmp_path = cli_plan
     assert rc == 0, out
     (d,) = json.load(open(tmp_path / "plan.json"))
     assert d["topology"] == "v5litepod-4" and f"{d['total_bytes'] / GiB:.2f} GiB" in out
@@ -287,8 +256,8 @@ def test_compiler_options_reach_the_compile_of_their_platform_only():
                                   ["v5litepod-4"])
 
 
-def test_cli_breakdown_books_every_hbm_byte_and_the_moe_ops_to_the_moe(tmp_path, capsys):
-    """`--breakdown` on the tiny model's plan: the printed table, categories in the JSON that sum to
+def test_cli_breakdown_books_every_hbm_byte_and_the_moe_ops_to_the_moe(cli_plan):
+    """`--breakdown` on the tiny model's plan (`cli_plan`): the printed table, categories in the JSON that sum to
     the walk's total, and the MoE where the HLO's own op names (independent of the stack frames the
     categories come from) say an op is the MoE's: every ragged dot a grouped matmul, the router's
     top-k in the MoE."""
@@ -296,14 +265,10 @@ def test_cli_breakdown_books_every_hbm_byte_and_the_moe_ops_to_the_moe(tmp_path,
     import json
     import re
 
-    import launch
     from train.hlo_breakdown import CATEGORIES, MOE_MATMULS, MOE_OTHER, Categorizer
     from train.hlo_cost import parse_module
 
-    rc = launch.main(["compile", "--topology", "v5litepod-4", "--breakdown", "--json", str(tmp_path / "plan.json"),
-                      "--hlo", str(tmp_path / "plan"), "model.preset=tiny", "model.num_hidden_layers=2",
-                      "compile.seq_len=128", "compile.micro_batch=4", "mesh.fsdp=4"])
-    out = capsys.readouterr().out
+    rc, out, tmp_path = cli_plan
     assert rc == 0, out
     assert "HBM bytes per chip per step by category" in out and all(c in out for c in CATEGORIES)
     (d,) = json.load(open(tmp_path / "plan.json"))
