@@ -7,9 +7,10 @@ Only two items are read: ``config`` (the run's `SFTConfig`, from which `sft.reci
 rebuilds the ModelConfig exactly as the run built it) and ``params`` (the master weights; the
 optimizer state is never restored). A run with `checkpoint.save_frozen: false` saved only its
 trained params: the frozen ones are re-read from its `model.init_from` and checked against the
-fingerprint in ``progress`` (`train.checkpoint.check_frozen`). The tokenizer is the run's: its init dir's (or its task
-vocabulary), as the run's own export takes it, so exporting a final checkpoint writes the same
-tensors and files as the run's end-of-run export (`sft.export.export_params` does both).
+fingerprint in ``progress`` (`train.checkpoint.check_frozen`). The tokenizer is the run's: its init
+dir's (or its task vocabulary), as the run's own export takes it, so exporting a final checkpoint
+writes the same tensors and files as the run's end-of-run export (`sft.export.export_params` does
+both).
 
 Paths inside the run config (``model.init_from``, ``logging.run_dir``) are as the run was given
 them: relative ones resolve against the current directory, as for the run itself. Reading is
