@@ -5,7 +5,9 @@ section; `launch.py calibrate` hands it here).
 1. the eval split (held-out prompts of `sft.data.tool_task`) and a calibration split (held-out
    prompts of another seed, minus every eval prompt: disjoint by construction), as JSONL;
 2. one model per training block size, one on the mix and one on the block-size curriculum
-   (`curriculum`: `model.block_size_schedule`), each `sft.recipe.run_sft` of the study's recipe with
+   (`curriculum`: `model.block_size_schedule`), the block-coreset variants (`coreset`: each of
+   `coreset_models` also trained with `model.moe_block_coreset` = C, named ``<model>_c<C>``; the
+   exported config carries C, so its sweeps decode with the coreset too), each `sft.recipe.run_sft` of the study's recipe with
    `model.block_size` set (a list for the mix and the curriculum) under ``<runs_dir>/train_<name>``,
    and `seeds` of each (`StudyModel`: seed k > 0 adds k to the recipe's `train.seed`, `data.seed` (the
    data order) and `model.seed` (the init), under ``train_<name>_seed<k>``); a model whose HF export
@@ -59,7 +61,12 @@ class StudyConfig:
     mix: tuple[int, ...] = (4, 8, 16, 32)  # () = no mix model
     # the curriculum model's model.block_size_schedule, [[fraction, block size], ...]; () = no curriculum model
     curriculum: tuple[tuple[float, int], ...] = ()
-    # models per name (a training block size, mix, curriculum; default: the others); absent: 1. Seed 0 is the recipe's
+    # the block-coreset axis: each of `coreset_models` (training block sizes or "mix") also trained with
+    # model.moe_block_coreset = C for every C here, named "<model>_c<C>"; () = none
+    coreset: tuple[int, ...] = ()
+    coreset_models: tuple[int | str, ...] = (32, "mix")
+    # models per name (a training block size, mix, curriculum, <model>_c<C>; default: the others); absent: 1.
+    # Seed 0 is the recipe's
     seeds: dict[str | int, int] = field(default_factory=dict)
     bfcl: str = "../shared/data/bfcl/BFCL_v4_simple_python.json"
     eval_n: int = 200
@@ -82,6 +89,14 @@ class StudyConfig:
     def __post_init__(self) -> None:
         names = {str(b) for b in self.train_block_sizes} | ({"mix"} if self.mix else set()) | (
             {"curriculum"} if self.curriculum else set())
+        if self.coreset:
+            missing = [str(m) for m in self.coreset_models if str(m) not in names]
+            if missing:
+                raise ConfigError(f"study.coreset_models: {missing[0]} is not a model of the study "
+                                  f"({', '.join(sorted(names))})")
+            if any(c < 1 for c in self.coreset):
+                raise ConfigError(f"study.coreset: every C must be >= 1, got {list(self.coreset)}")
+            names |= {f"{m}_c{c}" for m in self.coreset_models for c in self.coreset}
         for k, n in self.seeds.items():
             if str(k) != "default" and str(k) not in names:
                 raise ConfigError(f"study.seeds.{k}: not a model of the study (default, {', '.join(sorted(names))})")
@@ -108,13 +123,15 @@ def load_study_config(path: str | Path, overrides: list[str] | tuple[str, ...] =
 
 @dataclass(frozen=True)
 class StudyModel:
-    """One trained model of the study: its `name` in the report (a block size, "mix", "curriculum"),
-    the training block sizes, the curriculum (or None) and the seed (0: the recipe's own seeds)."""
+    """One trained model of the study: its `name` in the report (a block size, "mix", "curriculum",
+    "<model>_c<C>"), the training block sizes, the curriculum (or None), the block coreset C (or None)
+    and the seed (0: the recipe's own seeds)."""
 
     name: Any
     sizes: tuple[int, ...]
     schedule: tuple[tuple[float, int], ...] | None = None
     seed: int = 0
+    coreset: int | None = None
 
     @property
     def dirname(self) -> str:
@@ -127,6 +144,8 @@ class StudyModel:
         out = [f"model.block_size={size}"]
         if self.schedule:
             out.append("model.block_size_schedule=[" + ", ".join(f"[{f!r}, {b}]" for f, b in self.schedule) + "]")
+        if self.coreset is not None:
+            out.append(f"model.moe_block_coreset={self.coreset}")
         if self.seed:
             out += [f"{k}={v + self.seed}" for k, v in sorted(base_seeds.items())]
         return tuple(out)
@@ -140,6 +159,9 @@ def study_models(cfg: StudyConfig) -> list[StudyModel]:
     if cfg.curriculum:
         sizes = tuple(dict.fromkeys(int(b) for _, b in cfg.curriculum))
         base.append(StudyModel("curriculum", sizes, tuple(cfg.curriculum)))
+    wanted = {str(m) for m in cfg.coreset_models}
+    base += [dataclasses.replace(m, name=f"{m.name}_c{c}", coreset=int(c))
+             for c in cfg.coreset for m in list(base) if str(m.name) in wanted]
     extra = [dataclasses.replace(m, seed=k) for m in base for k in range(1, cfg.n_seeds(m.name))]
     return base + extra
 
@@ -373,6 +395,22 @@ def _measure(cfg: StudyConfig, run: Path, hf: Path, model: StudyModel, ev: Path,
     return rows
 
 
+def _check_coreset(cfg: StudyConfig) -> None:
+    """Each `coreset` C must fit the recipe's model (top-k <= C <= experts): an error naming the key
+    before anything trains."""
+    if not cfg.coreset:
+        return
+    from clover_jax.config import ModelConfigError
+    from sft.config import load_sft_config, model_config_from
+
+    m = model_config_from(load_sft_config(cfg.recipe, list(cfg.recipe_overrides)).model, None)
+    for c in cfg.coreset:
+        try:
+            m.replace(moe_block_coreset=int(c))
+        except ModelConfigError as e:
+            raise ConfigError(f"study.coreset: {c} does not fit the recipe's model ({e})") from None
+
+
 def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callable[[str], None] = print
               ) -> Path | None:
     """Steps 1-4 of the module docstring; returns the report's path (None with `train_only`: the
@@ -383,6 +421,7 @@ def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callabl
     runs = Path(cfg.runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
     ev, cal = _splits(cfg, runs)
+    _check_coreset(cfg)
     models = study_models(cfg)
     base_seeds = _base_seeds(cfg) if any(m.seed for m in models) else {}
     key = None if cfg.train_only else _measure_key(cfg, ev)

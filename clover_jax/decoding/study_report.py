@@ -27,6 +27,7 @@ model's seeds.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -344,6 +345,15 @@ def _mean_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 _NAMES = {"mix": "the model trained on the mix of sizes", "curriculum": "the model trained on the block-size curriculum"}
 
 
+def _name(t: Any) -> str:
+    """The answer's words for a named model; ``<model>_c<C>``: that model trained with the block coreset C."""
+    m = re.fullmatch(r"(.+)_c(\d+)", str(t))
+    if m:
+        base = _NAMES.get(m.group(1), f"the block-{m.group(1)} model")
+        return f"{base} with the block coreset C = {m.group(2)}"
+    return _NAMES.get(t, f"the {t} model")
+
+
 def _span(iv: Interval, fmt: str) -> str:
     parts = [f"seeds {fmt.format(iv.seeds[0])} to {fmt.format(iv.seeds[1])}"] if iv.seeds else []
     parts += [f"prompts {fmt.format(iv.prompts[0])} to {fmt.format(iv.prompts[1])}"] if iv.prompts else []
@@ -390,7 +400,7 @@ def write_report(out: Path, rows: list[dict[str, Any]], *, quality: str, thresho
     for n in named:
         terms = [x for (t, d), ts in pen_terms.items() if t == n for x in ts]
         k = sum(1 for t, _ in pen_terms if t == n)
-        answer.append(f"Against the native models, {_NAMES.get(n, f'the {n} model')} is "
+        answer.append(f"Against the native models, {_name(n)} is "
                       f"{_span(_interval([(c / k, qq, kk) for c, qq, kk in terms], idx), '{:+.3f}')} on average.")
     rec_line = "; ".join(f"{c}: {v:+.0%} of the penalty ({s['recovery_cells'][c]} cells)"
                          for c, v in s["recovery"].items()) or "no calibration other than the learned one was run"

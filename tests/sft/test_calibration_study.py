@@ -278,7 +278,8 @@ def test_seeds_name_models_of_the_study():
 def test_the_study_config_trains_nothing_already_stored():
     """A dry run of configs/calibration_study.yaml against the committed models/calibration_study: the
     round-1 models (seed 0 of 4, 8, 16, 32 and the mix) are stored and measured under this config, so
-    a run trains only the new seeds and the curriculum; nothing is run or written outside runs_dir."""
+    a run trains only the new seeds, the curriculum and the coreset models; nothing is run or written
+    outside runs_dir."""
     from sft.calibration_study import load_study_config
 
     said: list[str] = []
@@ -292,4 +293,35 @@ def test_the_study_config_trains_nothing_already_stored():
     for b in (4, 8, 16, 32, "mix"):
         assert any(s.startswith(f"study (dry run): {b}: stored in ") and "; measured" in s for s in said), said
     assert any(s.startswith("study (dry run): curriculum: to train") for s in said)
-    assert said[-1] == "study (dry run): 15 models, 10 to train, 10 to measure"
+    assert any(s.startswith("study (dry run): mix_c4: to train") for s in said)
+    assert said[-1] == "study (dry run): 19 models, 14 to train, 14 to measure"
+
+
+def test_the_coreset_axis_trains_each_named_model_with_c_and_compares_it_with_itself(tmp_path):
+    """`coreset`: each of `coreset_models` is trained again with model.moe_block_coreset = C (named
+    <model>_c<C>, its own seeds), and the report compares it with the model it varies; a C the
+    recipe's MoE cannot hold (8 experts, top 2) or a model the study lacks is an error naming the key."""
+    from clover_jax.yaml_config import ConfigError
+    from sft.calibration_study import study_models
+
+    recipe = str(ROOT / "configs" / "research_tool.yaml")
+    cfg = StudyConfig(recipe=recipe, runs_dir=str(tmp_path / "runs"), train_block_sizes=(8, 32), mix=(),
+                      coreset=(4,), coreset_models=(32,), seeds={"32_c4": 2}, bfcl=str(BFCL), eval_n=20,
+                      calibration_n=8, decode_block_sizes=(8, 32), thresholds=(0.9,), quality="validity",
+                      report_dir=str(tmp_path / "report"))
+    assert [m.dirname for m in study_models(cfg)] == ["8", "32", "32_c4", "32_c4_seed1"]
+    calls, over = [], {}
+    md = run_study(cfg, _with_details(_steps(calls, overrides=over)), command="cmd", print_fn=lambda s: None)
+    assert over["train_32_c4"] == ("model.block_size=32", "model.moe_block_coreset=4")
+    assert over["train_32_c4_seed1"][:2] == ("model.block_size=32", "model.moe_block_coreset=4")
+    text = md.read_text()
+    # native 32 has one seed: the difference has a prompt interval only
+    assert "| 32_c4 - 32 | +0.000 (±0.000) | +0.000 (±0.000) |" in text
+    assert "| 32_c4 | 0.600 ±0.000 (±0.300) | 1.000 ±0.000 (±0.000) |" in text  # two seeds: both intervals
+    assert "the block-32 model with the block coreset C = 4 is" in text
+
+    with pytest.raises(ConfigError, match=r"study.coreset: 16 does not fit the recipe's model .*moe_block_coreset 16"):
+        run_study(StudyConfig(recipe=recipe, runs_dir=str(tmp_path / "r2"), coreset=(16,), bfcl=str(BFCL),
+                              eval_n=4, calibration_n=2), Steps(None, None, None), command="cmd")
+    with pytest.raises(ConfigError, match=r"study.coreset_models: mix is not a model of the study"):
+        StudyConfig(train_block_sizes=(32,), mix=(), coreset=(4,), coreset_models=(32, "mix"))
