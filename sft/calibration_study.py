@@ -7,8 +7,8 @@ section; `launch.py calibrate` hands it here).
 2. one model per training block size, one on the mix and one on the block-size curriculum
    (`curriculum`: `model.block_size_schedule`), the block-coreset variants (`coreset`: each of
    `coreset_models` also trained with `model.moe_block_coreset` = C, named ``<model>_c<C>``; the
-   exported config carries C, so its sweeps decode with the coreset too), each `sft.recipe.run_sft` of the study's recipe with
-   `model.block_size` set (a list for the mix and the curriculum) under ``<runs_dir>/train_<name>``,
+   exported config carries C, so its sweeps decode with the coreset too), each `sft.recipe.run_sft`
+   of the study's recipe with `model.block_size` set (a list for the mix and the curriculum) under ``<runs_dir>/train_<name>``,
    and `seeds` of each (`StudyModel`: seed k > 0 adds k to the recipe's `train.seed`, `data.seed` (the
    data order) and `model.seed` (the init), under ``train_<name>_seed<k>``); a model whose HF export
    exists is not trained again, and an interrupted training resumes from its checkpoints. With
