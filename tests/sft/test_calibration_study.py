@@ -277,9 +277,9 @@ def test_seeds_name_models_of_the_study():
 
 def test_the_study_config_trains_nothing_already_stored():
     """A dry run of configs/calibration_study.yaml against the committed models/calibration_study: the
-    round-1 models (seed 0 of 4, 8, 16, 32 and the mix) are stored and measured under this config, so
-    a run trains only the new seeds, the curriculum and the coreset models; nothing is run or written
-    outside runs_dir."""
+    round-1 models (seed 0 of 4, 8, 16, 32 and the mix) are stored and measured under this config, the
+    curriculum model stored, so a run trains only the new seeds and the coreset models; nothing is run
+    or written outside runs_dir."""
     from sft.calibration_study import load_study_config
 
     said: list[str] = []
@@ -292,9 +292,9 @@ def test_the_study_config_trains_nothing_already_stored():
         assert run_study(cfg, Steps(None, None, None), command="cmd", print_fn=said.append) is None
     for b in (4, 8, 16, 32, "mix"):
         assert any(s.startswith(f"study (dry run): {b}: stored in ") and "; measured" in s for s in said), said
-    assert any(s.startswith("study (dry run): curriculum: to train") for s in said)
+    assert any(s.startswith("study (dry run): curriculum: stored in ") and s.endswith("; to measure") for s in said)
     assert any(s.startswith("study (dry run): mix_c4: to train") for s in said)
-    assert said[-1] == "study (dry run): 19 models, 14 to train, 14 to measure"
+    assert said[-1] == "study (dry run): 19 models, 13 to train, 14 to measure"
 
 
 def test_the_coreset_axis_trains_each_named_model_with_c_and_compares_it_with_itself(tmp_path):
