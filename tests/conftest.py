@@ -75,22 +75,3 @@ def _free_compiled_programs(request):
     if limit and held > limit // 2:
         pytest.fail(f"{request.module.__name__} leaves {held} memory maps held after jax.clear_caches() "
                     f"(vm.max_map_count {limit}): compiled programs kept alive past the module")
-
-
-#: Test files that take minutes (TPU AOT compiles, small training runs), slowest first. They run
-#: before the rest: xdist's loadfile scheduler hands files out in collection order, and one of
-#: them left for the end (tests/train/ sorts last) keeps one worker busy while the other idles.
-SLOW_FILES = (
-    "tests/train/test_aot.py", "tests/train/test_lora_plan.py", "tests/decoding/test_decoding.py",
-    "tests/model/test_block_diffusion.py", "tests/model/test_moe_coreset.py", "tests/parallel/test_context.py",
-    "tests/sft/test_sft_recipe.py", "tests/sft/test_sft_faults.py", "tests/sft/test_decode_eval.py",
-    "tests/sft/test_lora_recipe.py", "tests/bench/test_gpu_check.py", "tests/parallel/test_lora_mesh.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Runs SLOW_FILES first (a stable sort: every other file, and the tests inside each, keep
-    their order)."""
-    root = str(config.rootpath)
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(os.path.relpath(str(item.path), root), len(rank)))
