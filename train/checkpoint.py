@@ -109,14 +109,22 @@ def merge_subset(full: Any, part: Mapping[str, Any]) -> Any:
     return part
 
 
+def _frozen_leaves(params: Any, mask: Any) -> list[tuple[str, Any]]:
+    """(path, leaf) of the floating leaves where `mask` is False (arrays or ShapeDtypeStructs)."""
+    return [(path_str(p), x) for (p, x), m in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(mask))
+            if not m and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+
+
+@jax.jit
+def _sums_abs(xs: list[jax.Array]) -> jax.Array:
+    return jnp.stack([jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in xs]) if xs else jnp.zeros((0,), jnp.float32)
+
+
 def frozen_fingerprint(params: Any, mask: Any) -> tuple[list[str], jax.Array]:
     """(paths, fp32 [n] sum |x|) of the floating leaves where `mask` is False: what a checkpoint
     without them records, to recognise the weights it was trained against."""
-    items = [(path_str(p), x) for (p, x), m in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(mask))
-             if not m and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-    sums = jax.jit(lambda xs: jnp.stack([jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in xs]) if xs
-                   else jnp.zeros((0,), jnp.float32))([x for _, x in items])
-    return [p for p, _ in items], sums
+    items = _frozen_leaves(params, mask)
+    return [p for p, _ in items], _sums_abs([x for _, x in items])
 
 
 def check_frozen(where: str, params: Any, mask: Any, saved: Any) -> None:
@@ -310,8 +318,7 @@ class Checkpointer:
             if frozen is None:
                 raise CheckpointError(f"checkpoint {self.step_dir(step)} holds only the trained params: restoring "
                                       "it needs the run's initial params for the frozen ones")
-            n = sum(1 for x, m in zip(jax.tree.leaves(abstract_state.params), jax.tree.leaves(mask))
-                    if not m and jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+            n = len(_frozen_leaves(abstract_state.params, mask))
             targets["params"] = subset(abstract_state.params, mask)
             targets["progress"][FINGERPRINT] = jax.ShapeDtypeStruct((n,), jnp.float32)
         for item, target in targets.items():
