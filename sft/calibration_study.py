@@ -32,6 +32,8 @@ section; `launch.py calibrate` hands it here).
    accuracy 0.8).
 
 `dry_run` runs nothing: it prints, per model, whether it is stored, would be trained or measured.
+`only` runs step 2 and 3 for some models (their folder names) and writes no report: several
+processes (one per core or host) train and measure their shares, then a run without it reports.
 
 Every step is a function handed in (`Steps`), so the orchestration is tested with stand-ins.
 """
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -85,6 +88,9 @@ class StudyConfig:
     # measure again a stored model whose measured.json predates per-prompt results (for the prompt bootstrap)
     measure_missing_prompts: bool = False
     dry_run: bool = False  # print what would be trained / measured, run nothing
+    # only these models (their folder names: "32", "mix_seed2", "32_c4"), e.g. one process per core or host
+    # training its share; such a run writes no report (a run without `only` writes it from the stored rows)
+    only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         names = {str(b) for b in self.train_block_sizes} | ({"mix"} if self.mix else set()) | (
@@ -209,8 +215,10 @@ def _splits(cfg: StudyConfig, runs: Path) -> tuple[Path, Path]:
         seen = {prompt_key(r) for r in eval_recs}
         pool = generate_records(4 * cfg.calibration_n, cfg.calibration_seed, "heldout", schemas)
         cal_recs = [r for r in pool if prompt_key(r) not in seen][: cfg.calibration_n]
-        write_jsonl(cal, cal_recs)
-        write_jsonl(ev, eval_recs)
+        for path, recs in ((cal, cal_recs), (ev, eval_recs)):  # atomic: runs with `only` may start together
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            write_jsonl(tmp, recs)
+            tmp.replace(path)
     return ev, cal
 
 
@@ -347,6 +355,17 @@ def _stored_rows(cfg: StudyConfig, measured: Path | None, key: dict[str, Any], m
     return [{**r, "trained": model.name, "seed": model.seed} for r in m["rows"]]
 
 
+def _selected(cfg: StudyConfig, models: list[StudyModel]) -> list[StudyModel]:
+    """`models` cut to `cfg.only` (all when empty); ConfigError naming a name that is no model of the study."""
+    if not cfg.only:
+        return models
+    names = [m.dirname for m in models]
+    unknown = [str(n) for n in cfg.only if str(n) not in names]
+    if unknown:
+        raise ConfigError(f"study.only: {unknown[0]} is not a model of the study ({', '.join(names)})")
+    return [m for m in models if m.dirname in {str(n) for n in cfg.only}]
+
+
 def _dry_run(cfg: StudyConfig, runs: Path, models: list[StudyModel], base_seeds: dict[str, int], key: dict | None,
              print_fn: Callable[[str], None]) -> None:
     """`dry_run`: per model, what a run would do (nothing is trained, stored or measured)."""
@@ -422,8 +441,8 @@ def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callabl
     runs.mkdir(parents=True, exist_ok=True)
     ev, cal = _splits(cfg, runs)
     _check_coreset(cfg)
-    models = study_models(cfg)
-    base_seeds = _base_seeds(cfg) if any(m.seed for m in models) else {}
+    models = _selected(cfg, study_models(cfg))
+    base_seeds = _base_seeds(cfg) if any(m.seed for m in study_models(cfg)) else {}
     key = None if cfg.train_only else _measure_key(cfg, ev)
     if cfg.dry_run:
         _dry_run(cfg, runs, models, base_seeds, key, print_fn)
@@ -449,6 +468,9 @@ def run_study(cfg: StudyConfig, steps: Steps, *, command: str, print_fn: Callabl
         print_fn(f"study: block {model.dirname} model, AR on {ev.name}: validity {ar['validity']:.3f}, argument "
                  f"accuracy {ar['bfcl_accuracy']:.3f} (floor {FLOOR['validity']} / {FLOOR['bfcl_accuracy']}: "
                  f"{'met' if verdict else 'NOT met'})")
+    if cfg.only:
+        print_fn(f"study: {len(models)} models measured (study.only: no report; a run without it writes the report)")
+        return None
     (runs / "rows.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
     md = write_report(Path(cfg.report_dir), rows, quality=cfg.quality, threshold=cfg.report_threshold, command=command)
     print_fn(f"study: wrote {md}")

@@ -247,6 +247,34 @@ def test_seeds_and_the_curriculum_model_train_store_and_report_with_intervals(tm
     assert calls == []
 
 
+def test_only_trains_and_measures_a_share_and_a_full_run_reports_from_the_store(tmp_path):
+    """`only`: two runs, each with its share of the models (folder names, a seed's included), train and
+    measure just those and write no report; a run without `only` then trains and measures nothing and
+    reports every model; a name that is no model of the study is refused, listing the models."""
+    from clover_jax.yaml_config import ConfigError
+
+    def cfg(*only):
+        return StudyConfig(recipe=str(ROOT / "configs" / "research_tool.yaml"), runs_dir=str(tmp_path / "runs"),
+                           train_block_sizes=(8, 32), mix=(), seeds={"32": 2}, bfcl=str(BFCL), eval_n=20,
+                           calibration_n=8, decode_block_sizes=(8, 32), thresholds=(0.9,), quality="validity",
+                           report_dir=str(tmp_path / "report"), store_dir=str(tmp_path / "store"), only=only)
+
+    calls: list = []
+    steps = _with_details(_steps(calls))
+    assert run_study(cfg("32_seed1", "8"), steps, command="cmd", print_fn=lambda s: None) is None
+    assert [c[1] for c in calls if c[0] == "train"] == ["train_8", "train_32_seed1"]
+    assert {c[1] for c in calls if c[0] == "sweep"} == {"train_8", "train_32_seed1"}
+    assert not (tmp_path / "report").exists()
+    calls.clear()
+    run_study(cfg("32"), steps, command="cmd", print_fn=lambda s: None)
+    assert {c[1] for c in calls} == {"train_32"}
+    calls.clear()
+    md = run_study(cfg(), steps, command="cmd", print_fn=lambda s: None)
+    assert calls == [] and "| 32 | -0.400 " in md.read_text()  # 32's two seeds agree on the stand-in's numbers
+    with pytest.raises(ConfigError, match=r"study.only: 64 is not a model of the study \(8, 32, 32_seed1\)"):
+        run_study(cfg("64"), steps, command="cmd", print_fn=lambda s: None)
+
+
 def test_per_prompt_results_must_give_the_rows_numbers(tmp_path):
     """A sweep whose per-example records do not average to its rows is refused, naming the file."""
     cfg = StudyConfig(runs_dir=str(tmp_path / "runs"), train_block_sizes=(8,), mix=(), bfcl=str(BFCL), eval_n=10,
