@@ -401,6 +401,7 @@ class BlockSizeSteps:
 
     def compiled(self, block_size: int) -> Any:
         if block_size not in self._compiled:
+            log.info("compiling the train step for block size %d", block_size)
             t0 = time.perf_counter()
             self._compiled[block_size] = self.setup.make_step(block_size).lower(
                 self.setup.abstract_state, self.abstract_batch).compile()
