@@ -1,5 +1,5 @@
-"""The user docs stay true: the generated pages (docs/results.md, docs/reference/*.md) equal what
-`python tools/gen_docs.py` writes now, every relative link in README.md, CHANGELOG.md and docs/
+"""The user docs stay true: the generated pages (docs/results.md, docs/reference/*.md, the README's
+tables of numbers) equal what `python tools/gen_docs.py` writes now, every relative link in README.md, CHANGELOG.md and docs/
 points at a file that exists, every repository path they name exists, and the README stays short
 and free of development history (plain text reads; the generators import the config dataclasses and
 launch.py's parser, nothing compiles)."""
@@ -10,6 +10,8 @@ import glob
 import importlib.util
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 REGENERATE = "python tools/gen_docs.py"
@@ -100,3 +102,29 @@ def test_readme_is_short_and_reads_as_a_guide():
             if re.search(r"\bissues? \d+|#\d{2}\b|\bwas [\d.]+\b|\bthe recipe now\b|\bsee the issues\b", line):
                 bad.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
     assert not bad, "development history in pages a user reads (it belongs in CHANGELOG.md):\n" + "\n".join(bad)
+
+
+def _readme_tables():
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "tools" / "readme_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_readme_tables_are_read_from_the_results():
+    """The README's numbers come from bench/results and the stored study models: a number edited by
+    hand is stale (the render puts the file's value back, computed here from the plan JSON by hand),
+    and a README without a table's markers is refused, naming the file and the table."""
+    import json
+
+    tables = _readme_tables()
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    plan = json.loads((ROOT / "bench" / "results" / tables.SLICES[0][2]).read_text())[0]
+    gib = f"{plan['total_bytes'] / 2**30:.1f}"
+    row = f"| `{tables.SLICES[0][1]}` | {plan['topology']} | fsdp {plan['mesh']['fsdp']} | {gib} | "
+    assert row in text
+    edited = text.replace(row, row.replace(f"| {gib} |", "| 12.3 |"))
+    assert edited != text and tables.render_readme(edited) == text
+    assert tables.render_readme(text) == text
+    with pytest.raises(ValueError, match=r"NOTES.md: the markers of the generated summary table are missing"):
+        tables.render_readme(text.replace(tables.end("summary"), ""), where="NOTES.md")

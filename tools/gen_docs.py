@@ -4,8 +4,9 @@
                                commit, measured or predicted; the headline tables
     docs/reference/config.md   every YAML key, from the config dataclasses (type, default, comment)
     docs/reference/cli.md      every `launch.py` command and flag, from its argparse parser
+    README.md                  only its tables of numbers (tools/readme_tables.py), between their markers
 
-    python tools/gen_docs.py                # regenerate the three pages
+    python tools/gen_docs.py                # regenerate the pages
     python tools/gen_docs.py --check        # exit 1 naming the stale pages (what the tests run)
     python tools/gen_docs.py --provenance   # record the git commit and date of committed result files
                                             # (tools/results_provenance.json), then regenerate
@@ -547,10 +548,20 @@ def render_cli() -> str:
 
 # ------------------------------------------------------------------------------------------ main
 
+def render_readme() -> str:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_tables", Path(__file__).resolve().parent / "readme_tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    return tables.render_readme((ROOT / "README.md").read_text(encoding="utf-8"))
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "docs/results.md": render_results,
     "docs/reference/config.md": render_config,
     "docs/reference/cli.md": render_cli,
+    "README.md": render_readme,
 }
 
 
