@@ -57,30 +57,32 @@ FLOOR = {"validity": 0.95, "bfcl_accuracy": 0.8}
 
 @dataclass(frozen=True)
 class StudyConfig:
-    recipe: str = "configs/research_tool.yaml"
-    recipe_overrides: tuple[str, ...] = ()
-    runs_dir: str = "runs/calibration_study"
-    train_block_sizes: tuple[int, ...] = (4, 8, 16, 32)
+    """The study's `study:` section (module docstring: what each step does with it)."""
+
+    recipe: str = "configs/research_tool.yaml"  # the SFT recipe every model is trained by
+    recipe_overrides: tuple[str, ...] = ()  # `key=value` overrides of that recipe, for every model
+    runs_dir: str = "runs/calibration_study"  # scratch: training runs, splits, sweeps (resumable)
+    train_block_sizes: tuple[int, ...] = (4, 8, 16, 32)  # one native model per size
     mix: tuple[int, ...] = (4, 8, 16, 32)  # () = no mix model
     # the curriculum model's model.block_size_schedule, [[fraction, block size], ...]; () = no curriculum model
     curriculum: tuple[tuple[float, int], ...] = ()
     # the block-coreset axis: each of `coreset_models` (training block sizes or "mix") also trained with
     # model.moe_block_coreset = C for every C here, named "<model>_c<C>"; () = none
     coreset: tuple[int, ...] = ()
-    coreset_models: tuple[int | str, ...] = (32, "mix")
+    coreset_models: tuple[int | str, ...] = (32, "mix")  # which models get the coreset variants
     # models per name (a training block size, mix, curriculum, <model>_c<C>; default: the others); absent: 1.
     # Seed 0 is the recipe's
     seeds: dict[str | int, int] = field(default_factory=dict)
-    bfcl: str = "../shared/data/bfcl/BFCL_v4_simple_python.json"
-    eval_n: int = 200
+    bfcl: str = "../shared/data/bfcl/BFCL_v4_simple_python.json"  # the function schemas the prompts draw from
+    eval_n: int = 200  # held-out eval prompts (the eval split)
     eval_seed: int = 1
-    calibration_n: int = 32
+    calibration_n: int = 32  # prompts of the calibration split (the gamma fit), disjoint from the eval split
     calibration_seed: int = 2
-    decode_block_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)
-    thresholds: tuple[float, ...] = (0.8, 0.9, 0.95, 0.99)
-    quality: str = "bfcl_accuracy"
-    report_threshold: float = 0.9
-    report_dir: str = "docs/calibration_study"
+    decode_block_sizes: tuple[int, ...] = (4, 8, 16, 32, 64)  # every model is decoded at each
+    thresholds: tuple[float, ...] = (0.8, 0.9, 0.95, 0.99)  # confidence thresholds of the sweeps
+    quality: str = "bfcl_accuracy"  # the report's quality metric (a row key of the sweeps)
+    report_threshold: float = 0.9  # the threshold the report's tables and answer read
+    report_dir: str = "docs/calibration_study"  # where the report (markdown, CSV, plots) is written
     store_dir: str | None = None  # trained models kept (with their recipe) for fresh checkouts; None = runs only
     train_only: bool = False  # step 2 only: train (and store) what is missing, measure nothing
     fitted_thresholds: tuple[float, ...] | None = None  # the fitted checkpoints' sweeps; None = `thresholds`

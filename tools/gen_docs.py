@@ -481,6 +481,7 @@ def render_config() -> str:
     from clover_jax.decoding.calibrate import CalibrateConfig
     from clover_jax.decoding.generator import DecodeConfig
     from clover_jax.run_config import RunConfig
+    from sft.calibration_study import StudyConfig
     from sft.config import SFTConfig
     from sft.data.config import SourceConfig
 
@@ -507,6 +508,11 @@ def render_config() -> str:
     _section("decode", DecodeConfig, seen, L)
     L += ["## Calibration (`launch.py calibrate`)\n"]
     _section("", CalibrateConfig, seen, L, title="calibrate top level")
+    L += ["## The calibration study (`study:` in a config for `launch.py calibrate`)\n",
+          "A YAML with a `study:` section runs the whole study ([guides/calibration.md]"
+          "(../guides/calibration.md)); `study.calibrate` is the CalibrateConfig tree of every sweep.\n"]
+    seen.add(StudyConfig)
+    _section("study", StudyConfig, seen, L)
     L += ["## Demo and generic compile (`launch.py demo`, `launch.py compile` on a non-SFT config)\n"]
     _section("", RunConfig, seen, L, title="run config top level")
     return "\n".join(L).rstrip() + "\n"
