@@ -320,10 +320,10 @@ def test_the_study_config_trains_nothing_already_stored():
         assert run_study(cfg, Steps(None, None, None), command="cmd", print_fn=said.append) is None
     for b in (4, 8, 16, 32, "mix"):
         assert any(s.startswith(f"study (dry run): {b}: stored in ") and "; measured" in s for s in said), said
-    for name in ("curriculum", "32_c4", "32_seed1", "mix_c4", "mix_seed1"):
+    for name in ("curriculum", "curriculum_seed1", "curriculum_seed2", "32_c4", "32_seed1", "mix_c4", "mix_seed1"):
         assert any(s.startswith(f"study (dry run): {name}: stored in ") and s.endswith("; to measure") for s in said)
     assert any(s.startswith("study (dry run): mix_c4_seed1: to train") for s in said)
-    assert said[-1] == "study (dry run): 19 models, 9 to train, 14 to measure"
+    assert said[-1] == "study (dry run): 19 models, 7 to train, 14 to measure"
 
 
 def test_the_coreset_axis_trains_each_named_model_with_c_and_compares_it_with_itself(tmp_path):
