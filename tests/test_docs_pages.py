@@ -1,13 +1,14 @@
 """The user docs stay true: the generated pages (docs/results.md, docs/reference/*.md, the README's
-tables of numbers) equal what `python tools/gen_docs.py` writes now, every relative link in README.md, CHANGELOG.md and docs/
-points at a file that exists, every repository path they name exists, and the README stays short
-and free of development history (plain text reads; the generators import the config dataclasses and
-launch.py's parser, nothing compiles)."""
+tables of numbers) equal what `python tools/gen_docs.py` writes now, every relative link in
+README.md, CHANGELOG.md and docs/ points at a file that exists, every repository path they name
+exists, and the README stays short and free of development history (plain text reads; the
+generators import the config dataclasses and launch.py's parser, nothing compiles)."""
 
 from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import re
 from pathlib import Path
 
