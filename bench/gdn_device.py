@@ -5,8 +5,9 @@
 
 On a lent H200 (its image has jax with the CUDA plugin; nothing else of ours is needed), as one call:
     PYTHONUNBUFFERED=1 python3 bench/gdn_device.py --check-dtype bfloat16 2>&1 | tee $OUT/gdn_device.log
-(the fp32 Triton programs at dk = dv = 128 exceed the H200's shared memory: measured 2026-12-04,
-bench/results/gdn_device_h200_fp32check.json; the bf16 results are bench/results/gdn_device_h200.json).
+(the fp32 Triton programs at dk = dv = 128 exceeded the H200's shared memory: measured 2026-12-04,
+bench/results/gdn_device_h200_fp32check.json; the bf16 results are bench/results/gdn_device_h200.json;
+``--fp32-fit`` compiles the fp32 programs once more, since the parallel backward takes dv in tiles).
 
 The kernels are the phase split on both platforms (issue 17): on a GPU the Triton kernels of
 ``pallas_kernels/gdn/gpu_calls.py`` with the launch options of its table for (dk, dv, chunk) (recorded
@@ -91,26 +92,57 @@ def op_fns(op: str, backend: str, interpret: bool | None):
     return forward, loss
 
 
+def op_arrays(op: str, x: dict[str, np.ndarray], dtype) -> list:
+    """The op's arrays in order, then seg and the loss weights; q / k / v (both streams) in ``dtype``."""
+    names = CAUSAL_ARGS if op == "causal" else BLOCK_ARGS
+    extra = ("seg", "w_o", "w_on", "w_s") if op == "block" else ("seg", "w_o", "w_s")
+    cast = {"q", "k", "v", "qn", "kn", "vn"}
+    return [jnp.asarray(x[n], dtype) if n in cast else jnp.asarray(x[n]) for n in names + extra]
+
+
+def op_programs(op: str, backend: str, interpret: bool | None) -> dict:
+    """{"fwd": jitted forward, "fwd_bwd": jitted value_and_grad of the loss w.r.t. the op's arrays}."""
+    fwd, loss = op_fns(op, backend, interpret)
+    argnums = tuple(range(len(CAUSAL_ARGS if op == "causal" else BLOCK_ARGS)))
+    return {"fwd": jax.jit(fwd), "fwd_bwd": jax.jit(jax.value_and_grad(loss, argnums=argnums))}
+
+
+def fp32_fit(T: int, H: int, dk: int, dv: int, ops: list[str], interpret: bool | None,
+             compiler_options: dict | None = None) -> list[dict]:
+    """Whether each op's kernel programs compile with fp32 q / k / v (forward, forward+backward): on a
+    GPU the fp32 tiles are what exceed shared memory (``ops.GPU_FP32_MAX_HEAD_DIM``, the parallel
+    backward's value tiles ``gpu_calls.FP32_BACKWARD_BLOCK_V``). A program that fails keeps the last
+    line of its error (the shared memory it asked for); nothing runs, so this costs compiles only."""
+    x, rows = make_case(T, H, dk, dv), []
+    for op in ops:
+        args = op_arrays(op, x, jnp.float32)
+        for label, fn in op_programs(op, "pallas", interpret).items():
+            t0 = time.perf_counter()
+            row: dict = {"T": T, "op": op, "pass": label}
+            try:
+                fn.lower(*args).compile(compiler_options)
+                row["fits"] = True
+            except Exception as e:  # noqa: BLE001
+                row["fits"], row["error"] = False, (str(e).strip().splitlines() or [repr(e)])[-1][-500:]
+            row["compile_s"] = time.perf_counter() - t0
+            rows.append(row)
+            print(f"  fp32 fit T={T} {op} {label}: " + ("compiles" if row["fits"] else f"FAILS: {row['error']}"),
+                  flush=True)
+    return rows
+
+
 def run_op(op: str, x: dict[str, np.ndarray], time_dtype, interpret: bool | None, repeats: int,
            compiler_options: dict | None = None, check_dtype=jnp.float32) -> dict:
     """Errors (check_dtype, fp32 by default) and timings (time_dtype) of one op, kernel vs reference.
     Each program is compiled once per dtype (with `compiler_options`): where the two dtypes agree the
     error programs are the timed ones."""
     names = CAUSAL_ARGS if op == "causal" else BLOCK_ARGS
-    extra = ("seg", "w_o", "w_on", "w_s") if op == "block" else ("seg", "w_o", "w_s")
-    argnums = tuple(range(len(names)))
-    cast = {"q", "k", "v", "qn", "kn", "vn"}
-
-    def arrays(dtype):
-        return [jnp.asarray(x[n], dtype) if n in cast else jnp.asarray(x[n]) for n in names + extra]
 
     def compiled(dtype) -> tuple[list, dict, dict]:
         """(the arrays, {backend_pass: compiled program}, {backend_pass: compile seconds}) for one input dtype."""
-        args, progs, secs = arrays(dtype), {}, {}
+        args, progs, secs = op_arrays(op, x, dtype), {}, {}
         for backend in ("pallas", "reference"):
-            fwd, loss = op_fns(op, backend, interpret)
-            for label, fn in (("fwd", jax.jit(fwd)),
-                              ("fwd_bwd", jax.jit(jax.value_and_grad(loss, argnums=argnums)))):
+            for label, fn in op_programs(op, backend, interpret).items():
                 t0 = time.perf_counter()
                 progs[f"{backend}_{label}"] = fn.lower(*args).compile(compiler_options)
                 secs[f"{backend}_{label}"] = time.perf_counter() - t0
@@ -166,7 +198,8 @@ def kernel_times(T: int, H: int, dk: int, dv: int, repeats: int, interpret: bool
 #: itself, then one knob at a time, then the narrower / wider value-tile corners
 TUNE_VARIANTS = [{}, {"parallel_warps": 8}, {"backward_warps": 4}, {"num_stages": 1}, {"num_stages": 3},
                  {"block_v": 16}, {"block_v": 64}, {"sweep_warps": 2, "block_v": 16},
-                 {"sweep_warps": 8, "block_v": 64}]
+                 {"sweep_warps": 8, "block_v": 64}, {"intra_chunks": 2}, {"intra_chunks": 4},
+                 {"backward_block_v": 64}, {"backward_block_v": 32}]
 
 
 def tune_launch(T: int, H: int, dk: int, dv: int, repeats: int, budget_s: float, interpret: bool) -> list[dict]:
@@ -217,6 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tune-seq", type=int, default=0,
                     help="after the rows, time the GPU phase kernels at this T under each launch variant (0: no sweep)")
     ap.add_argument("--tune-budget-s", type=float, default=120.0, help="start no new launch variant after this many seconds")
+    ap.add_argument("--fp32-fit", action="store_true",
+                    help="after the rows, compile each op's fp32 kernel programs at the first T: do they fit the device")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (T = 256, 2 heads, dk = dv = 32), fp32, 1 repeat, XLA backend opt level 0")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
@@ -275,6 +310,11 @@ def main(argv: list[str] | None = None) -> dict:
         report["tune"] = {"T": args.tune_seq, "rows": tune_launch(
             args.tune_seq, args.heads, args.dk, args.dv, args.repeats, args.tune_budget_s,
             interpret=dev.platform != "gpu")}
+    if args.fp32_fit:
+        if time.perf_counter() - start > args.budget_s:
+            report["skipped"].append({"fp32_fit": True, "after_s": time.perf_counter() - start})
+        else:
+            report["fp32_fit"] = fp32_fit(args.seqs[0], args.heads, args.dk, args.dv, args.ops, interpret, fast)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print_table(report["rows"])

@@ -37,8 +37,9 @@ b. ``decode``: the same widths, bf16 weights: a context of ``--context`` 4096 to
    (`extend` of the block's 32 tokens), the model methods `clover_jax.decoding.loops` calls; the cache
    is donated and chained as the decode loop carries it. Milliseconds each (the AR step and the commit
    pass route freely: the coreset applies to block steps only).
-c. ``kernels``: bench/gdn_device.py (``--check-dtype bfloat16`` off --smoke: its fp32 Triton programs
-   exceed the GPU's shared memory) and bench/attention_gpu.py, called in-process with what is left of
+c. ``kernels``: bench/gdn_device.py (``--check-dtype bfloat16 --fp32-fit`` off --smoke: its fp32 Triton
+   programs exceeded the GPU's shared memory; the fit compiles them once more to see whether the parallel
+   backward's value tiles brought them under it) and bench/attention_gpu.py, called in-process with what is left of
    the budget; their JSONs land beside ``--out`` (<stem>_gdn_device.json, <stem>_attention_gpu.json).
 
 The JSON (``--out``, default ``$OUT/gpu_check.json`` when ``$OUT`` is set, else
@@ -455,7 +456,7 @@ def part_kernels(args: argparse.Namespace, res: dict, save: Save, deadline: floa
     """bench/gdn_device.py and bench/attention_gpu.py in-process, with what is left of the budget (the
     GDN check gets 60% of it); each one's failure is recorded and the other still runs."""
     failed = []
-    gdn_extra = ["--ops", "causal", "--no-phase-times"] if args.smoke else ["--check-dtype", "bfloat16"]
+    gdn_extra = ["--ops", "causal", "--no-phase-times"] if args.smoke else ["--check-dtype", "bfloat16", "--fp32-fit"]
     for name, share, extra in (("gdn_device", 0.6, gdn_extra),
                                ("attention_gpu", 1.0, [])):
         left = deadline - time.perf_counter()
@@ -488,6 +489,9 @@ def summary_kernels(res: dict) -> str:
         bad = sum("error" in row for row in rows)
         out.append(f"{name}: {len(rows)} rows" + (f" ({bad} failed)" if bad else "")
                    + (f", worst rel error {max(errs):.1e}" if errs else "") + f", {len(r['report']['skipped'])} skipped")
+        fit = r["report"].get("fp32_fit")
+        if fit:
+            out[-1] += f", fp32 programs compiling {sum(x['fits'] for x in fit)}/{len(fit)}"
     return "; ".join(out)
 
 

@@ -10,16 +10,18 @@ chunk per program. The state's columns are independent in the delta rule, so the
 tiles of W (more programs, a [K, W] carry that fits in registers).
 
 Kernels (grid):
-- ``intra_call`` (B, H, N): T = (I + A)^-1, w, u per chunk (the TPU kernel body, one chunk a step,
-  by default with the blocked inverse: ``kernel_bodies.FORM_INVERSE``); with ``T_in``: only w, u
-  from the saved inverse (the backward's recompute, no re-inversion).
+- ``intra_call`` (B, H, N / G): T = (I + A)^-1, w, u per chunk (the TPU kernel body, G =
+  ``GpuLaunch.intra_chunks`` chunks a program, by default with the blocked inverse:
+  ``kernel_bodies.FORM_INVERSE``); with ``T_in``: only w, u from the saved inverse (the backward's
+  recompute, no re-inversion).
 - ``sweep_call`` (B, H, NV), sequential: S' = sdec S + kd^T (u - w S), two dependent matmuls per
   chunk; writes every chunk's start state and the final state.
 - ``output_call`` (B, H, N, NV): o = diag(ein) (q s) S + P (u - w S) from the states.
 - ``state_backward_call`` (B, H, NV), reverse: dS = sdec dS' + qe^T dO - w^T ddelta; writes dS' per
   chunk and the initial state's cotangent (needs neither the states nor delta).
 - ``parallel_backward_call`` (B, HK, N): every other cotangent (the TPU kernel body, one chunk a
-  step; a key head's rep value heads are one rep * dv tile, their dq, dk summed in fp32).
+  step; a key head's rep value heads in value tiles of ``backward_tile_width`` columns, their dq, dk,
+  daux summed in fp32).
 
 Block mode (``noisy=``; :mod:`pallas_kernels.gdn.block_phase_math`, readout tiles of R = max(block,
 chunk) rows): the output kernel also takes the history readouts r from the swept states (every
@@ -58,12 +60,18 @@ f32 = jnp.float32
 class GpuLaunch:
     """Triton launch options of one shape: warps of the sequential sweeps, of the parallel forward
     kernels (intra / WY, output, noisy) and of the parallel backward, software-pipelining stages of the
-    sweeps' chunk loop, and the value-tile width W of the sweeps and the output kernel (min(dv, block_v))."""
+    sweeps' chunk loop, the value-tile width W of the sweeps and the output kernel (min(dv, block_v)),
+    chunks per intra / WY program (``intra_chunks``, independent chunks unrolled in one program: their
+    dependent inverse chains interleave; it must divide N, else 1 is used) and the parallel backward's
+    value-tile width (``backward_block_v``, 0: all of dv; fp32 inputs take at most
+    :data:`FP32_BACKWARD_BLOCK_V`)."""
     sweep_warps: int = 4
     parallel_warps: int = 4
     backward_warps: int = 4
     num_stages: int = 1
     block_v: int = 32
+    intra_chunks: int = 1
+    backward_block_v: int = 0
 
 
 #: (dk, dv, chunk) -> launch options. Starting points from fla's autotune ranges for its
@@ -82,6 +90,13 @@ LAUNCH: dict[tuple[int, int, int], GpuLaunch] = {
 DEFAULT_LAUNCH = GpuLaunch()
 
 
+#: the parallel backward's value tile for fp32 q / k / v: whole-dv tiles at dk = dv = 128 asked 384 KiB
+#: (causal) / 236 KiB (block) of an H200's 227 KiB of shared memory (bench/results/gdn_device_h200_fp32check.json);
+#: [dk, 32] state tiles are a quarter of that. Whether every fp32 program then fits is not measured yet
+#: (bench/gdn_device.py --fp32-fit), so ``ops.auto_backend`` keeps its fp32 fallback.
+FP32_BACKWARD_BLOCK_V = 32
+
+
 def launch_for(K: int, V: int, C: int) -> GpuLaunch:
     """The launch options of a (dk, dv, chunk) shape (the padded dims the kernels run at)."""
     return LAUNCH.get((K, V, C), DEFAULT_LAUNCH)
@@ -93,6 +108,24 @@ def tile_width(cfg: KernelConfig, K: int, V: int) -> int:
     if V % W:
         raise ValueError(f"block_v={W} must divide dv={V}")
     return W
+
+
+def backward_tile_width(K: int, V: int, C: int, dtype) -> int:
+    """The parallel backward's value-tile width: the launch table's ``backward_block_v`` (0: dv), at
+    most FP32_BACKWARD_BLOCK_V for fp32 inputs, capped at dv; it must divide dv."""
+    W = launch_for(K, V, C).backward_block_v or V
+    if jnp.dtype(dtype).itemsize >= 4:
+        W = min(W, FP32_BACKWARD_BLOCK_V)
+    W = min(W, V)
+    if V % W:
+        raise ValueError(f"backward_block_v={W} must divide dv={V}")
+    return W
+
+
+def intra_group(K: int, V: int, C: int, N: int) -> int:
+    """Chunks per intra / WY program: the launch table's ``intra_chunks`` where it divides N, else 1."""
+    G = launch_for(K, V, C).intra_chunks
+    return G if G >= 1 and N % G == 0 else 1
 
 
 def _params(interpret: bool, num_warps: int, num_stages: int = 1):
@@ -121,11 +154,12 @@ def _sweep_params(cfg: KernelConfig, K: int, V: int, interpret: bool):
 def intra_call(k, v, aux, *, K: int, cfg: KernelConfig, interpret: bool, T_in=None):
     """Phase a. Returns (T [B,H,N,C,C] fp32, w [B,Tp,H*K], u [B,Tp,H*V]) or, with ``T_in``, (w, u)."""
     B, Tp, H, HK, V, C, N, rep = call_dims(k, v, aux, K)
-    kq = pl.BlockSpec((None, C, K), lambda b, h, n: (b, n, key_head(h, rep)))
-    kw = pl.BlockSpec((None, C, K), lambda b, h, n: (b, n, h))
-    vw = pl.BlockSpec((None, C, V), lambda b, h, n: (b, n, h))
-    ax = pl.BlockSpec((None, None, 1, AUX, C), lambda b, h, n: (b, h, n, 0, 0))
-    tt = pl.BlockSpec((None, None, 1, C, C), lambda b, h, n: (b, h, n, 0, 0))
+    G = intra_group(K, V, C, N)
+    kq = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, key_head(h, rep)))
+    kw = pl.BlockSpec((None, G * C, K), lambda b, h, n: (b, n, h))
+    vw = pl.BlockSpec((None, G * C, V), lambda b, h, n: (b, n, h))
+    ax = pl.BlockSpec((None, None, G, AUX, C), lambda b, h, n: (b, h, n, 0, 0))
+    tt = pl.BlockSpec((None, None, G, C, C), lambda b, h, n: (b, h, n, 0, 0))
     wu_shape = [jax.ShapeDtypeStruct((B, Tp, H * K), k.dtype), jax.ShapeDtypeStruct((B, Tp, H * V), v.dtype)]
     if T_in is None:
         in_specs, out_specs, out_shape, args = [kq, vw, ax], [tt, kw, vw], [
@@ -133,8 +167,8 @@ def intra_call(k, v, aux, *, K: int, cfg: KernelConfig, interpret: bool, T_in=No
     else:
         in_specs, out_specs, out_shape, args = [kq, vw, ax, tt], [kw, vw], wu_shape, (k, v, aux, T_in)
     call = pl.pallas_call(
-        functools.partial(intra_kernel, cfg=cfg, G=1, C=C, with_T_in=T_in is not None, inverse=cfg.inverse_for("gpu")),
-        out_shape=out_shape, grid=(B, H, N), in_specs=in_specs, out_specs=out_specs,
+        functools.partial(intra_kernel, cfg=cfg, G=G, C=C, with_T_in=T_in is not None, inverse=cfg.inverse_for("gpu")),
+        out_shape=out_shape, grid=(B, H, N // G), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_parallel_params(cfg, K, V, interpret), interpret=interpret,
         name="gdn_gpu_wy" if T_in is not None else "gdn_gpu_intra")
     return tuple(call(*args))
@@ -213,7 +247,8 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
     """Every cotangent but the dS recurrence, parallel over (row, key head, chunk; block mode: readout
     tile). Returns (dq, dk [B,Tp,HK*K] in q's dtype, dv [B,Tp,H*V] in v's dtype, daux [B,H,N,AUX,C]
     fp32) and with ``noisy`` = (qn, kn, vn, auxn, dOn, plan) also (dqn, dkn, dvn, dauxn). rep = H / HK
-    must be a power of two (one rep * dv tile per step)."""
+    must be a power of two (one key head's rep value heads per step, in value tiles of
+    :func:`backward_tile_width`)."""
     K = w.shape[-1] // aux.shape[1]
     B, Tp, H, HK, V, C, N, rep = call_dims(q, v, aux, K)
     if rep & (rep - 1):
@@ -226,7 +261,8 @@ def parallel_backward_call(q, k, v, aux, T, w, u, states, dstates, dO, *, cfg: K
     args, in_specs, out_specs, out_shape = parallel_backward_io(
         q, k, v, aux, T, w, u, states, dstates, dO, noisy, G=G, rep=rep, C=C, K=K, V=V)
     call = pl.pallas_call(
-        functools.partial(parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep, plan=plan),
+        functools.partial(parallel_backward_kernel, cfg=cfg, G=G, C=C, K=K, V=V, rep=rep, plan=plan,
+                          W=backward_tile_width(K, V, C, q.dtype)),
         out_shape=out_shape, grid=(B, HK, N // G), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_backward_params(cfg, K, V, interpret), interpret=interpret,
         name="gdn_gpu_block_parallel_bwd" if plan else "gdn_gpu_parallel_bwd")

@@ -150,47 +150,57 @@ def noisy_forward_kernel(qn_ref, kn_ref, vn_ref, auxn_ref, r_ref, on_ref, ph_ref
 
 
 def parallel_backward_kernel(q_ref, k_ref, v_ref, aux_ref, T_ref, w_ref, u_ref, st_ref, dst_ref, do_ref, *refs,
-                              cfg, G, C, K, V, rep, plan):
+                              cfg, G, C, K, V, rep, plan, W: int | None = None):
+    """One grid step of the parallel backward: G chunks of one key head and its rep value heads, each
+    value head in value tiles of W columns (None: all of dv). The delta rule's columns are independent and
+    every cotangent is linear in (dO, dS'), so a tile's dq, dk, daux are partial sums over its columns
+    (summed here in fp32) and its dv is its own; a tile holds [K, W] states, not [K, dv]."""
     n_in = 5 if plan else 0
     qn_ref, kn_ref, vn_ref, auxn_ref, don_ref = refs[:n_in] if plan else (None,) * 5
     dq_ref, dk_ref, dv_ref, daux_ref = refs[n_in:n_in + 4]
     dqn_ref, dkn_ref, dvn_ref, dauxn_ref = refs[n_in + 4:] if plan else (None,) * 4
     kw = dict(scale=cfg.scale, mm=cfg.mm())
     R = plan.R if plan else C
+    W = W or V
     outs = dict(dq=dq_ref, dk=dk_ref, dqn=dqn_ref, dkn=dkn_ref)
-    sums = {}   # (output, first row) -> its sum over this key head's value heads
+    sums = {}   # (output, first row) -> its sum over this key head's value heads and value tiles
 
-    def add(name, row, x):
-        sums[name, row] = x if (name, row) not in sums else sums[name, row] + x
+    def add(name, at, x, into=sums):
+        into[name, at] = x if (name, at) not in into else into[name, at] + x
 
     for j in range(G):
         r = pl.ds(j * C, C)
         q, k = q_ref[r, :], k_ref[r, :]
         for h in range(rep):  # the value heads of this key head: their dq, dk (dqn, dkn) sum here
-            kc, vc = pl.ds(h * K, K), pl.ds(h * V, V)
-            S = st_ref[h, pl.ds(j * K, K), :]
-            clean = (q, k, v_ref[r, vc], aux_ref[h, j], T_ref[h, j], w_ref[r, kc], u_ref[r, vc], S, do_ref[r, vc],
-                     dst_ref[h, pl.ds(j * K, K), :])
-            if plan and plan.mid:   # the chunk's readouts are in its deltas: one composition
-                dq, dk, dv, daux, *noisy = bpm.chunk_block_parallel_backward(
-                    *clean, qn_ref[r, :], kn_ref[r, :], vn_ref[r, vc], auxn_ref[h, j], don_ref[r, vc], **kw)
-            else:
-                dq, dk, dv, daux = pm.chunk_parallel_backward(*clean, **kw)
-                noisy = None
-                if plan and j % plan.rb == 0:   # a block starts at this chunk: its state is S
-                    t = pl.ds(j * C, R)
-                    noisy = bpm.noisy_tile_backward(qn_ref[t, :], kn_ref[t, :], vn_ref[t, vc],
-                                                    auxn_ref[h, j // plan.rb], S, don_ref[t, vc], **kw)[:4]
-            add("dq", j * C, dq)
-            add("dk", j * C, dk)
-            dv_ref[r, vc] = dv.astype(dv_ref.dtype)
-            daux_ref[h, j] = daux
-            if noisy is not None:
-                dqn, dkn, dvn, dauxn = noisy
-                add("dqn", j * C, dqn)
-                add("dkn", j * C, dkn)
-                dvn_ref[pl.ds(j * C, R), vc] = dvn.astype(dvn_ref.dtype)
-                dauxn_ref[h, j // (plan.rb if plan else 1)] = dauxn
+            kc = pl.ds(h * K, K)
+            tiles = {}   # this value head's daux (dauxn), summed over its value tiles
+            for i in range(V // W):
+                vc, sc = pl.ds(h * V + i * W, W), pl.ds(i * W, W)
+                S = st_ref[h, pl.ds(j * K, K), sc]
+                clean = (q, k, v_ref[r, vc], aux_ref[h, j], T_ref[h, j], w_ref[r, kc], u_ref[r, vc], S,
+                         do_ref[r, vc], dst_ref[h, pl.ds(j * K, K), sc])
+                if plan and plan.mid:   # the chunk's readouts are in its deltas: one composition
+                    dq, dk, dv, daux, *noisy = bpm.chunk_block_parallel_backward(
+                        *clean, qn_ref[r, :], kn_ref[r, :], vn_ref[r, vc], auxn_ref[h, j], don_ref[r, vc], **kw)
+                else:
+                    dq, dk, dv, daux = pm.chunk_parallel_backward(*clean, **kw)
+                    noisy = None
+                    if plan and j % plan.rb == 0:   # a block starts at this chunk: its state is S
+                        t = pl.ds(j * C, R)
+                        noisy = bpm.noisy_tile_backward(qn_ref[t, :], kn_ref[t, :], vn_ref[t, vc],
+                                                        auxn_ref[h, j // plan.rb], S, don_ref[t, vc], **kw)[:4]
+                add("dq", j * C, dq)
+                add("dk", j * C, dk)
+                dv_ref[r, vc] = dv.astype(dv_ref.dtype)
+                add("daux", j, daux, tiles)
+                if noisy is not None:
+                    dqn, dkn, dvn, dauxn = noisy
+                    add("dqn", j * C, dqn)
+                    add("dkn", j * C, dkn)
+                    dvn_ref[pl.ds(j * C, R), vc] = dvn.astype(dvn_ref.dtype)
+                    add("dauxn", j // plan.rb, dauxn, tiles)
+            for (name, at), x in tiles.items():
+                (daux_ref if name == "daux" else dauxn_ref)[h, at] = x
     for (name, row), x in sums.items():
         ref = outs[name]
         ref[pl.ds(row, x.shape[0]), :] = x.astype(ref.dtype)

@@ -55,13 +55,14 @@ def test_device_check_rejects_a_length_block_mode_cannot_take(capsys):
 def test_device_check_launch_sweep_and_bf16_check(tmp_path):
     """--tune-seq times the six phase kernels under launch variants (interpreted here) and leaves the
     launch table as it found it; a variant whose value tile does not divide dv is not tried.
-    --check-dtype bfloat16 checks the errors on the bf16 programs, against the kernels' bf16 bound."""
+    --check-dtype bfloat16 checks the errors on the bf16 programs, against the kernels' bf16 bound;
+    --fp32-fit compiles the fp32 kernel programs and says whether they fit."""
     gdn_device = bench_module("gdn_device")
     from pallas_kernels.gdn import gpu_calls as g
     before = dict(g.LAUNCH)
     report = gdn_device.main(["--smoke", "--ops", "causal", "--tune-seq", "256", "--tune-budget-s", "1",
                               "--check-dtype", "bfloat16", "--time-dtype", "bfloat16", "--no-phase-times",
-                              "--out", str(tmp_path / "r.json")])
+                              "--fp32-fit", "--out", str(tmp_path / "r.json")])
     assert g.LAUNCH == before
     # the bf16 error check (what a device whose fp32 programs do not fit reports): the kernels' bf16 bound
     (row,) = report["rows"]
@@ -74,3 +75,6 @@ def test_device_check_launch_sweep_and_bf16_check(tmp_path):
         assert set(row["time_s"]) == {"intra", "wy", "sweep", "output", "state_bwd", "parallel_bwd"}
         assert row["total_s"] == pytest.approx(sum(row["time_s"].values()))
         assert 32 % row["launch"]["block_v"] == 0
+    # --fp32-fit: the fp32 kernel programs compiled (here they fit: the interpreter has no shared memory)
+    assert [(r["T"], r["op"], r["pass"], r["fits"]) for r in report["fp32_fit"]] == [
+        (256, "causal", "fwd", True), (256, "causal", "fwd_bwd", True)]

@@ -179,6 +179,22 @@ def test_gpu_launch_table():
         gpu_calls.tile_width(KernelConfig(chunk_size=64, block_v=12), 32, 16)
 
 
+def test_gpu_work_split_knobs(monkeypatch):
+    """The parallel backward's value tile: the table's ``backward_block_v`` (0: all of dv), at most
+    FP32_BACKWARD_BLOCK_V for fp32 inputs, capped at dv, dividing dv; chunks per intra program: the
+    table's ``intra_chunks`` where it divides N, else 1."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    fp32_w = gpu_calls.FP32_BACKWARD_BLOCK_V
+    assert gpu_calls.backward_tile_width(128, 128, 64, bf16) == 128          # measured entry: whole dv
+    assert gpu_calls.backward_tile_width(128, 128, 64, f32) == fp32_w == 32
+    assert gpu_calls.backward_tile_width(32, 16, 64, f32) == 16               # capped at dv
+    monkeypatch.setitem(gpu_calls.LAUNCH, (64, 96, 64), gpu_calls.GpuLaunch(backward_block_v=64, intra_chunks=4))
+    with pytest.raises(ValueError, match="backward_block_v=64 must divide dv=96"):
+        gpu_calls.backward_tile_width(64, 96, 64, bf16)
+    assert gpu_calls.intra_group(64, 96, 64, N=8) == 4 and gpu_calls.intra_group(64, 96, 64, N=6) == 1
+    assert gpu_calls.intra_group(128, 128, 64, N=8) == 1                     # the table's default
+
+
 def test_cuda_lowering_odd_shapes():
     """dk, dv not powers of two and T not a multiple of the chunk: the wrapper pads for Triton."""
     args = specs(1, T=130, H=4, DK=24, DV=40)

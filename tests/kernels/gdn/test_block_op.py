@@ -112,6 +112,24 @@ def test_block_pallas_matches_reference(x, form, block_size, chunk_size, with_in
         assert_rel_close(a, b, FP32_REL, name)
 
 
+@pytest.mark.parametrize("block_size,chunk_size", [(16, 64), (32, 16)])
+def test_block_gpu_form_with_grouped_intra_and_value_tiled_backward(x, monkeypatch, block_size, chunk_size):
+    """Block mode under the GPU launch knobs that split work, not math: 2 chunks per intra / WY program
+    and the parallel backward in value tiles of 4 of dv = 8 (the noisy stream's dqn, dkn, dauxn summed
+    over tiles too), blocks inside a chunk and blocks of 2 chunks: equal to the reference's."""
+    from pallas_kernels.gdn import gpu_calls
+    monkeypatch.setitem(gpu_calls.LAUNCH, (DK, DV, chunk_size),
+                        gpu_calls.GpuLaunch(block_v=4, intra_chunks=2, backward_block_v=4))
+    fn = functools.partial(block_gated_delta_rule_pallas, interpret=True, interpret_form="gpu")
+    (o, on, s), grads = run(fn, x, block_size, chunk_size, True)
+    (o_r, on_r, s_r), grads_r = run(block_gated_delta_rule_ref, x, block_size, chunk_size, True)
+    for name, a, b in (("o", o, o_r), ("o_noisy", on, on_r), ("state", s, s_r)):
+        assert_rel_close(a, b, FP32_REL, name)
+    for name, a, b in zip(NAMES, grads, grads_r):
+        assert a.shape == b.shape and np.all(np.isfinite(a)), name
+        assert_rel_close(a, b, FP32_REL, name)
+
+
 # bf16 bound relative to each array's max, 4 u (u = 2^-8), as in gdn/test_causal_op.py. Measured
 # against the fp32 reference on the fp32 inputs (phase kernels, w / u stored bf16): worst, block 32
 # (the tpu case) 6.0e-3 (o), 5.7e-3 (o_noisy), 5.6e-3 (dkn), 5.2e-3 (state); block 16 (the gpu case;

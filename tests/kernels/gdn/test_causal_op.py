@@ -194,6 +194,46 @@ def test_pallas_matches_oracles(case, form):
     assert ins[first[0]][-1] == ins[first[1]][-1] == CASE["HK"] * CASE["DK"], ins
 
 
+def pallas_grids(fn, *args) -> dict[str, list[tuple]]:
+    """The grid of every pallas_call in fn's jaxpr, by kernel name."""
+    found: dict[str, list[tuple]] = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.setdefault(str(eqn.params["name"]), []).append(tuple(eqn.params["grid_mapping"].grid))
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                        walk(getattr(sub, "jaxpr", sub))
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_gpu_form_with_grouped_intra_and_value_tiled_backward(monkeypatch):
+    """The GPU launch knobs that change a kernel's work split, not its math: 2 chunks per intra / WY
+    program, and the parallel backward in value tiles of 4 of dv = 16 (each tile's dq, dk, daux partial,
+    summed in the kernel; what lets fp32 fit a GPU's shared memory). Oracles: transformers per document
+    and the jnp reference's autodiff, at the fp32 criterion."""
+    from pallas_kernels.gdn import gpu_calls
+    x = make_case(B=2, T=128, HK=2, H=4, DK=32, DV=16, seed=3)
+    seg, rows = packed_segments(128)
+    monkeypatch.setitem(gpu_calls.LAUNCH, (32, 16, C), gpu_calls.GpuLaunch(block_v=8, intra_chunks=2,
+                                                                          backward_block_v=4))
+    fn = functools.partial(chunk_gated_delta_rule_pallas, interpret=True, interpret_form="gpu")
+    xg = dict(x, q=x["q"][:, :, ::2], k=x["k"][:, :, ::2])
+    grids = pallas_grids(lambda *a: fn(*a, chunk_size=C), *(xg[n] for n in NAMES[:5]))
+    assert grids["gdn_gpu_intra"] == [(2, 4, 2)]   # B, H, N / 2 (N = 4 chunks of 32)
+    o, s, grads = loss_and_grads(fn, xg, seg, C)
+    o_r, s_r, g_r = loss_and_grads(chunk_gated_delta_rule_ref, x, seg, C)
+    o_hf, s_hf = hf_per_document(x, rows, C)
+    assert rel(o, o_hf) <= REL and rel(s, s_hf) <= REL
+    assert rel(o, o_r) <= REL and rel(s, s_r) <= REL
+    g_r = [g_r[0].reshape(2, 128, 2, 2, 32).sum(3), g_r[1].reshape(2, 128, 2, 2, 32).sum(3)] + list(g_r[2:])
+    for name, a, b in zip(NAMES, grads, g_r):
+        assert a.shape == b.shape and rel(a, b) <= REL, name
+
+
 # bf16 bound, relative to each array's max: 4 u with u = 2^-8 the bf16 unit roundoff. Measured on
 # this case against the fp32 reference on the fp32 (unrounded) inputs, the worst output / gradient
 # error is 6.1e-3 (o), 5.2e-3 (dq), 4.9e-3 (state) for both forms (the same phase math, w, u stored
