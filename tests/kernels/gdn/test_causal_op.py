@@ -152,20 +152,25 @@ def to_key_heads(g_BTHK):
     return g_BTHK.reshape(B, T, CASE["HK"], H // CASE["HK"], K).sum(3)
 
 
-def kernel_inputs(fn, *args) -> list[tuple]:
-    """Shapes of the first operand of every pallas_call in fn's jaxpr, by kernel name."""
+def pallas_calls(fn, *args) -> list:
+    """Every pallas_call equation in fn's jaxpr (nested jaxprs included), in order."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                found.append((str(eqn.params["name"]), eqn.invars[0].aval.shape))
+                found.append(eqn)
             for p in eqn.params.values():
                 for sub in (p if isinstance(p, (tuple, list)) else (p,)):
                     if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
                         walk(getattr(sub, "jaxpr", sub))
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
+
+
+def kernel_inputs(fn, *args) -> list[tuple]:
+    """Shapes of the first operand of every pallas_call in fn's jaxpr, by kernel name."""
+    return [(str(e.params["name"]), e.invars[0].aval.shape) for e in pallas_calls(fn, *args)]
 
 
 @pytest.mark.parametrize("form", ["tpu", "gpu"])
@@ -197,16 +202,8 @@ def test_pallas_matches_oracles(case, form):
 def pallas_grids(fn, *args) -> dict[str, list[tuple]]:
     """The grid of every pallas_call in fn's jaxpr, by kernel name."""
     found: dict[str, list[tuple]] = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found.setdefault(str(eqn.params["name"]), []).append(tuple(eqn.params["grid_mapping"].grid))
-            for p in eqn.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-                        walk(getattr(sub, "jaxpr", sub))
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for e in pallas_calls(fn, *args):
+        found.setdefault(str(e.params["name"]), []).append(tuple(e.params["grid_mapping"].grid))
     return found
 
 
