@@ -186,11 +186,12 @@ def _base_seeds(cfg: StudyConfig) -> dict[str, int]:
 class Steps:
     """The study's side effects: train(run_dir, recipe overrides of the model) -> export dir;
     fit(checkpoint, out, calibration jsonl, sizes); sweep(checkpoint, out, eval jsonl, sizes,
-    thresholds, calibrations) -> writes <out>/results.json."""
+    thresholds, calibrations, ar_from=None) -> writes <out>/results.json (``ar_from``: an earlier
+    sweep's results.json whose AR baseline it reuses)."""
 
     train: Callable[[Path, tuple[str, ...]], Path]
     fit: Callable[[Path, Path, Path, tuple[int, ...]], None]
-    sweep: Callable[[Path, Path, Path, tuple[int, ...], tuple[float, ...], tuple[dict, ...]], None]
+    sweep: Callable[..., None]
 
 
 def _task_options(cfg: StudyConfig) -> dict[str, Any]:
@@ -410,8 +411,9 @@ def _measure(cfg: StudyConfig, run: Path, hf: Path, model: StudyModel, ev: Path,
     for k in cfg.decode_block_sizes:
         out = run / f"sweep_fitted_{k}"
         if not (out / "results.json").is_file():
+            # a fitted checkpoint differs only in block-mode scalars: its AR decoding is the sweep's
             steps.sweep(run / "fit" / "fit" / f"block{k}", out, ev, (k,), cfg.fitted_thresholds or cfg.thresholds,
-                        ({},))
+                        ({},), ar_from=sweep / "results.json")
         rows += [r for r in _rows(out / "results.json", model, "fitted") if r["mode"] != "ar"]
     return rows
 
@@ -502,8 +504,9 @@ def default_steps(cfg: StudyConfig) -> Steps:
         run_fit(dataclasses.replace(c, fit=dataclasses.replace(
             c.fit, calibration={"source": "jsonl", "path": str(cal_path), "n": cfg.calibration_n}, block_sizes=sizes)))
 
-    def sweep(hf: Path, out: Path, ev: Path, sizes, thresholds, cals) -> None:
-        c = base(hf, out, {"eval": {"source": "jsonl", "path": str(ev), "n": cfg.eval_n}})
+    def sweep(hf: Path, out: Path, ev: Path, sizes, thresholds, cals, ar_from: Path | None = None) -> None:
+        c = base(hf, out, {"eval": {"source": "jsonl", "path": str(ev), "n": cfg.eval_n},
+                           "ar_baseline": str(ar_from or "")})
         run_calibrate(dataclasses.replace(c, sweep=dataclasses.replace(
             c.sweep, modes=("threshold",), block_sizes=tuple(sizes), thresholds=tuple(thresholds),
             calibration=tuple(from_tree(CalibOverride, x, where="study calibration") for x in cals))))

@@ -108,6 +108,9 @@ class CalibrateConfig:
     history_stats: bool = True  # when the model's block_step can report it
     plots: bool = True
     fit: FitConfig = field(default_factory=FitConfig)  # `--fit`: gamma per target block size (calibrate_fit)
+    # a results.json of an earlier sweep whose AR decoding this checkpoint shares (its own fitted checkpoints:
+    # a fit rewrites only the block-mode scalars, which AR never reads): its AR row and outputs are reused
+    ar_baseline: str = ""
 
 
 def load_calibrate_config(path: str | Path | None, overrides: Sequence[str] = ()) -> CalibrateConfig:
@@ -392,6 +395,25 @@ def _fmt(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
+def reused_ar_baseline(path: Path, cfg: CalibrateConfig, n_examples: int) -> tuple[dict, list[dict]]:
+    """(AR row, per-example AR records) of an earlier sweep's results.json (``cfg.ar_baseline``), after
+    checking that it decoded the same eval set with the same decode options: a mismatch is an error
+    naming the file and the key."""
+    from clover_jax.yaml_config import to_tree
+
+    if not path.is_file():
+        raise DecodeError(f"ar_baseline: {path} is no file (an earlier sweep's results.json)")
+    saved = json.loads(path.read_text())
+    for key, mine in (("eval", to_tree(cfg.eval)), ("decode", to_tree(cfg.decode))):
+        theirs = saved.get("config", {}).get(key)
+        if json.loads(json.dumps(mine, default=_json_default)) != theirs:
+            raise DecodeError(f"ar_baseline: {path} was swept with another `{key}` ({theirs}) than this run's ({mine})")
+    ar = [d for d in saved.get("details", []) if d["setting"]["mode"] == "ar"]
+    if len(ar) != 1 or len(ar[0]["examples"]) != n_examples:
+        raise DecodeError(f"ar_baseline: {path} holds no AR setting with {n_examples} examples")
+    return ar[0]["setting"], ar[0]["examples"]
+
+
 def run_calibrate(cfg: CalibrateConfig, *, generate_record: RecordGenerator | None = None) -> int:
     """The sweep; `generate_record` serves `eval.source: synthetic` (see `eval_records`)."""
     from clover_jax.decoding.cli import load_checkpoint
@@ -415,11 +437,15 @@ def run_calibrate(cfg: CalibrateConfig, *, generate_record: RecordGenerator | No
 
     history = cfg.history_stats and "return_stats" in inspect.signature(model.block_step).parameters
     bs = cfg.sweep.batch_size
-    ar_row, ar_per = run_setting(model, tok, examples, cfg.decode.replace(mode="ar", block_size=None), eos, bs,
-                                 None, False)
+    if cfg.ar_baseline:
+        ar_row, ar_per = reused_ar_baseline(Path(cfg.ar_baseline), cfg, len(examples))
+    else:
+        ar_row, ar_per = run_setting(model, tok, examples, cfg.decode.replace(mode="ar", block_size=None), eos, bs,
+                                     None, False)
     ar_ids = [p["token_ids"] for p in ar_per]
     rows, details = [ar_row], [{"setting": ar_row, "examples": ar_per}]
-    print(f"AR baseline: {_fmt(ar_row['tokens_per_forward'])} tokens/forward, validity {_fmt(ar_row['validity'])} "
+    reused = f" (reused from {cfg.ar_baseline})" if cfg.ar_baseline else ""
+    print(f"AR baseline{reused}: {_fmt(ar_row['tokens_per_forward'])} tokens/forward, validity {_fmt(ar_row['validity'])} "
           f"(call turns {_fmt(ar_row['validity_call'])}), argument accuracy {_fmt(ar_row['bfcl_accuracy'])} "
           f"(call turns {_fmt(ar_row['bfcl_accuracy_call'])} of {ar_row['n_call']}, "
           f"text turns {_fmt(ar_row['bfcl_accuracy_no_call'])} of {ar_row['n'] - ar_row['n_call']})")

@@ -87,6 +87,42 @@ def test_calibrate_tiny_writes_complete_results(tmp_path, capsys):
                 assert float(p["share"]) == share[int(p["gdn_layer"]), int(p["position"])]
 
 
+def test_a_reused_ar_baseline_gives_the_rows_of_a_decoded_one(tmp_path, monkeypatch, capsys):
+    """`ar_baseline`: a second sweep of the same checkpoint and eval set, with the first one's results.json,
+    decodes no AR and writes the same rows (AR agreement included: it compares with the reused outputs);
+    another eval set or a missing file is refused, naming the key or the file."""
+    from clover_jax.decoding import calibrate
+
+    ckpt, ev = trained_checkpoint(), write_eval_jsonl(tmp_path / "eval.jsonl")
+    modes: list[str] = []
+    run_setting = calibrate.run_setting
+    monkeypatch.setattr(calibrate, "run_setting", lambda m, t, e, dcfg, *a: modes.append(dcfg.mode) or run_setting(
+        m, t, e, dcfg, *a))
+
+    def sweep(out, *extra):
+        rc = launch.main(["calibrate", "--config", str(ROOT / "configs" / "calibrate_tiny.yaml"), f"checkpoint={ckpt}",
+                          f"out_dir={out}", f"eval.path={ev}", "eval.n=8", "decode.max_new_tokens=32",
+                          "decode.batch_bucket=8", "sweep.batch_size=8", "sweep.block_sizes=[32]",
+                          "sweep.thresholds=[0.9]", "sweep.modes=[threshold]", "sweep.sub_block_sizes=[0]",
+                          "sweep.calibration=[{}]", "loss.enabled=false", "plots=false",
+                          *extra])
+        return json.loads((out / "results.json").read_text()) if rc == 0 else rc
+
+    first = sweep(tmp_path / "a")
+    assert modes == ["ar", "threshold"]
+    second = sweep(tmp_path / "b", f"ar_baseline={tmp_path / 'a' / 'results.json'}")
+    assert modes == ["ar", "threshold", "threshold"] and "reused from" in capsys.readouterr().out
+    timing = {"wall_s", "s_per_token", "ttft_s"}
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
+    assert strip(second["rows"]) == strip(first["rows"]) and second["rows"][1]["ar_agreement"] < 1.0
+    assert second["details"][0]["examples"] == first["details"][0]["examples"]
+    assert sweep(tmp_path / "c", f"ar_baseline={tmp_path / 'a' / 'results.json'}", "eval.n=6") == 1
+    assert f"{tmp_path / 'a' / 'results.json'} was swept with another `eval`" in capsys.readouterr().err
+    assert sweep(tmp_path / "d", f"ar_baseline={tmp_path / 'nothing.json'}") == 1
+    assert f"{tmp_path / 'nothing.json'} is no file" in capsys.readouterr().err
+    assert modes == ["ar", "threshold", "threshold"]   # refused before decoding anything
+
+
 @pytest.mark.parametrize("align", [0, 8])
 def test_masked_loss_matches_direct_computation(align):
     """At t = 1 every reference token is masked: the table's loss is the mean CE over all of them,

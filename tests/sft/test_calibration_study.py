@@ -44,15 +44,18 @@ def _steps(calls: list, fail_train: set | None = None, overrides: dict | None = 
             (out / "fit" / f"block{k}" / "config.json").write_text((Path(hf) / "config.json").read_text())
         (out / "fit" / "fit.json").write_text("{}")
 
-    def sweep(hf, out, ev, sizes, thresholds, cals):
+    def sweep(hf, out, ev, sizes, thresholds, cals, ar_from=None):
         calls.append(("sweep", out.parent.name, out.name, str(hf)))
+        # a fitted checkpoint's sweep reuses its model's AR baseline; the model's own sweep decodes it
+        fitted = out.name.startswith("sweep_fitted")
+        assert ar_from == (out.parent / "sweep" / "results.json" if fitted else None), (out, ar_from)
+        assert ar_from is None or ar_from.is_file()
         trained = json.loads((Path(hf) / "config.json").read_text())["sizes"]
         rows = [_row("ar", 1, thresholds[0], "learned", 0.97)]
         for k in sizes:
             for th in thresholds:
                 for c in cals:
                     native = 1.0 if k in trained else 0.6  # the mismatch costs 0.4; gamma = 0 wins 0.1 back
-                    fitted = out.name.startswith("sweep_fitted")
                     q = native + (0.1 if "gamma" in c and native < 1 else 0.0) + (0.2 if fitted and native < 1 else 0.0)
                     rows.append(_row("threshold", k, th, c.get("gamma", "learned"), q))
         out.mkdir(parents=True, exist_ok=True)
@@ -173,8 +176,8 @@ def _with_details(steps: Steps, n_prompts: int = 10) -> Steps:
     """The stand-in sweep, plus per-example records (as `calibrate.run_setting` writes them): the
     first round(q * n) prompts right, 2 tokens in 1 forward each; the rows' numbers become those
     records' means, so rows and records agree as a real sweep's do."""
-    def sweep(hf, out, ev, sizes, thresholds, cals):
-        steps.sweep(hf, out, ev, sizes, thresholds, cals)
+    def sweep(hf, out, ev, sizes, thresholds, cals, ar_from=None):
+        steps.sweep(hf, out, ev, sizes, thresholds, cals, ar_from)
         res = json.loads((out / "results.json").read_text())
         res["details"] = []
         for r in res["rows"]:
@@ -203,8 +206,8 @@ def test_seeds_and_the_curriculum_model_train_store_and_report_with_intervals(tm
     base = _steps(calls, overrides=over)
     seeded = base.sweep
 
-    def sweep(hf, out, ev, sizes, thresholds, cals):  # seed 1 of a model loses 0.1 more where mismatched
-        seeded(hf, out, ev, sizes, thresholds, cals)
+    def sweep(hf, out, ev, sizes, thresholds, cals, ar_from=None):  # seed 1 loses 0.1 more where mismatched
+        seeded(hf, out, ev, sizes, thresholds, cals, ar_from)
         seed = json.loads((Path(hf) / "config.json").read_text()).get("seed", 0)
         res = json.loads((out / "results.json").read_text())
         for r in res["rows"]:
@@ -282,8 +285,8 @@ def test_per_prompt_results_must_give_the_rows_numbers(tmp_path):
                       report_dir=str(tmp_path / "report"))
     steps = _with_details(_steps([]))
 
-    def sweep(hf, out, ev, sizes, thresholds, cals):
-        steps.sweep(hf, out, ev, sizes, thresholds, cals)
+    def sweep(hf, out, ev, sizes, thresholds, cals, ar_from=None):
+        steps.sweep(hf, out, ev, sizes, thresholds, cals, ar_from)
         res = json.loads((out / "results.json").read_text())
         res["rows"][0]["validity"] -= 0.1
         (out / "results.json").write_text(json.dumps(res))
