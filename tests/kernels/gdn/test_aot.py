@@ -202,6 +202,18 @@ def test_cuda_lowering_odd_shapes():
     assert triton_kernels(lower_cuda(fwd, *args)) == CAUSAL_GPU[:3]
 
 
+def test_cuda_lowering_fp32_value_tiled_backward():
+    """fp32 q / k / v at dk = dv = 128: the parallel backward runs in value tiles of
+    FP32_BACKWARD_BLOCK_V (4 per value head, slices of the state and value columns) and lowers to
+    Triton, both ops (whether it fits a GPU's shared memory is for `gdn_device.py --fp32-fit`)."""
+    f32 = jnp.float32
+    args = tuple(jax.ShapeDtypeStruct(a.shape, f32 if i < 3 else a.dtype) for i, a in enumerate(specs(1, T=256, H=4)))
+    assert gpu_calls.backward_tile_width(DK, DV, 64, f32) == DV // 4
+    assert triton_kernels(lower_cuda(loss_and_grads(), *args)) == CAUSAL_GPU
+    block_args = args + args[:3] + (jax.ShapeDtypeStruct((4, 3), f32),)
+    assert "gdn_gpu_block_parallel_bwd" in triton_kernels(lower_cuda(block_loss_and_grads(), *block_args))
+
+
 def test_cuda_lowering_non_power_of_two_head_ratio():
     """3 value heads per key head: the GPU backward runs on repeated key heads (rep * dv tiles of
     Triton must be powers of two; the kernel refuses others); the gradients come back on the key
