@@ -92,7 +92,7 @@ DEFAULT_LAUNCH = GpuLaunch()
 
 #: the parallel backward's value tile for fp32 q / k / v: whole-dv tiles at dk = dv = 128 asked 384 KiB
 #: (causal) / 236 KiB (block) of an H200's 227 KiB of shared memory (bench/results/gdn_device_h200_fp32check.json);
-#: [dk, 32] state tiles are a quarter of that. Whether every fp32 program then fits is not measured yet
+#: [dk, 32] state tiles are a quarter of the [dk, dv] ones. Whether every fp32 program then fits is not measured yet
 #: (bench/gdn_device.py --fp32-fit), so ``ops.auto_backend`` keeps its fp32 fallback.
 FP32_BACKWARD_BLOCK_V = 32
 
