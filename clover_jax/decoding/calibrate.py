@@ -403,12 +403,15 @@ def reused_ar_baseline(path: Path, cfg: CalibrateConfig, n_examples: int) -> tup
 
     if not path.is_file():
         raise DecodeError(f"ar_baseline: {path} is no file (an earlier sweep's results.json)")
-    saved = json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DecodeError(f"ar_baseline: {path} is not JSON ({e})") from None
     for key, mine in (("eval", to_tree(cfg.eval)), ("decode", to_tree(cfg.decode))):
         theirs = saved.get("config", {}).get(key)
         if json.loads(json.dumps(mine, default=_json_default)) != theirs:
             raise DecodeError(f"ar_baseline: {path} was swept with another `{key}` ({theirs}) than this run's ({mine})")
-    ar = [d for d in saved.get("details", []) if d["setting"]["mode"] == "ar"]
+    ar = [d for d in saved.get("details", []) if d.get("setting", {}).get("mode") == "ar"]
     if len(ar) != 1 or len(ar[0]["examples"]) != n_examples:
         raise DecodeError(f"ar_baseline: {path} holds no AR setting with {n_examples} examples")
     return ar[0]["setting"], ar[0]["examples"]

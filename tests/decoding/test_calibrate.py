@@ -90,7 +90,7 @@ def test_calibrate_tiny_writes_complete_results(tmp_path, capsys):
 def test_a_reused_ar_baseline_gives_the_rows_of_a_decoded_one(tmp_path, monkeypatch, capsys):
     """`ar_baseline`: a second sweep of the same checkpoint and eval set, with the first one's results.json,
     decodes no AR and writes the same rows (AR agreement included: it compares with the reused outputs);
-    another eval set or a missing file is refused, naming the key or the file."""
+    another eval set, a missing file or one that is not JSON is refused, naming the key or the file."""
     from clover_jax.decoding import calibrate
 
     ckpt, ev = trained_checkpoint(), write_eval_jsonl(tmp_path / "eval.jsonl")
@@ -120,6 +120,9 @@ def test_a_reused_ar_baseline_gives_the_rows_of_a_decoded_one(tmp_path, monkeypa
     assert f"{tmp_path / 'a' / 'results.json'} was swept with another `eval`" in capsys.readouterr().err
     assert sweep(tmp_path / "d", f"ar_baseline={tmp_path / 'nothing.json'}") == 1
     assert f"{tmp_path / 'nothing.json'} is no file" in capsys.readouterr().err
+    (tmp_path / "broken.json").write_text('{"config": ')
+    assert sweep(tmp_path / "e", f"ar_baseline={tmp_path / 'broken.json'}") == 1
+    assert f"{tmp_path / 'broken.json'} is not JSON" in capsys.readouterr().err
     assert modes == ["ar", "threshold", "threshold"]   # refused before decoding anything
 
 
