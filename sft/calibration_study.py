@@ -91,8 +91,9 @@ class StudyConfig:
     measure_missing_prompts: bool = False
     dry_run: bool = False  # print what would be trained / measured, run nothing
     # only these models (their folder names: "32", "mix_seed2", "32_c4"), e.g. one process per core or host
-    # training its share; such a run writes no report (a run without `only` writes it from the stored rows)
-    only: tuple[str, ...] = ()
+    # training its share; such a run writes no report (a run without `only` writes it from the stored rows).
+    # A bare number (`study.only=[4]`, which YAML reads as an int) names the model "4".
+    only: tuple[str | int, ...] = ()
 
     def __post_init__(self) -> None:
         names = {str(b) for b in self.train_block_sizes} | ({"mix"} if self.mix else set()) | (

@@ -278,6 +278,14 @@ def test_only_trains_and_measures_a_share_and_a_full_run_reports_from_the_store(
         run_study(cfg("64"), steps, command="cmd", print_fn=lambda s: None)
 
 
+def test_only_reads_a_bare_number_as_the_model_of_that_name():
+    """`study.only=[4, 32_seed1]` on the command line: YAML reads 4 as an int, which names the model "4"."""
+    from sft.calibration_study import _selected, load_study_config, study_models
+
+    cfg = load_study_config(ROOT / "configs" / "calibration_study.yaml", ["study.only=[4, 32_seed1]"])
+    assert [m.dirname for m in _selected(cfg, study_models(cfg))] == ["4", "32_seed1"]
+
+
 def test_per_prompt_results_must_give_the_rows_numbers(tmp_path):
     """A sweep whose per-example records do not average to its rows is refused, naming the file."""
     cfg = StudyConfig(runs_dir=str(tmp_path / "runs"), train_block_sizes=(8,), mix=(), bfcl=str(BFCL), eval_n=10,
