@@ -1,5 +1,6 @@
-"""The research model of issue 20 meets its floor: the export of configs/research_tool.yaml at block 32
-that the study keeps in models/calibration_study/32 (with the recipe that trained it), decoded AR on
+"""The research model of issue 20 meets its floor: the export of configs/research_tool.yaml as it stands
+(its default since issue 43: the mix of block sizes) that the study keeps in models/calibration_study/
+(the study model whose recipe is the recipe's own: mix; with the recipe that trained it), decoded AR on
 the study's held-out eval split (200 prompts of sft.data.tool_task, user turns disjoint from training)
 by `launch.py calibrate`'s own code: tool-call validity >= 0.95 and argument accuracy >= 0.8 (the
 numbers the study prints). The stored model must be the recipe's: a recipe edited without retraining
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from clover_jax.decoding.calibrate import CalibrateConfig, EvalSetConfig, SweepConfig, run_calibrate
 from clover_jax.yaml_config import from_tree
-from sft.calibration_study import FLOOR, StudyModel, _recipe_tree, _splits, _stored_model, load_study_config
+from sft.calibration_study import FLOOR, _recipe_tree, _splits, _stored_model, load_study_config, study_models
 
 ROOT = Path(__file__).resolve().parents[2]
 BFCL = ROOT.parent / "shared" / "data" / "bfcl" / "BFCL_v4_simple_python.json"
@@ -22,9 +23,11 @@ def test_the_stored_research_model_meets_the_floor(tmp_path):
     study = load_study_config(ROOT / "configs" / "calibration_study.yaml")
     study = dataclasses.replace(study, recipe=str(ROOT / study.recipe), bfcl=str(BFCL),
                                 store_dir=str(ROOT / study.store_dir))
-    stored = Path(study.store_dir) / "32"
-    assert _stored_model(stored, _recipe_tree(study, StudyModel(32, (32,)).overrides({}))), \
-        f"{stored}: no stored research model"
+    own = _recipe_tree(study, ())
+    [model] = [m for m in study_models(study) if m.seed == 0 and _recipe_tree(study, m.overrides({})) == own]
+    assert model.name == "mix"  # the recipe's default block sizes are the study's mix
+    stored = Path(study.store_dir) / model.dirname
+    assert _stored_model(stored, own), f"{stored}: no stored research model"
     ev, _ = _splits(study, tmp_path)
     base = from_tree(CalibrateConfig, dict(study.calibrate), where="study.calibrate")
     cfg = dataclasses.replace(base, checkpoint=str(stored), out_dir=str(tmp_path / "ar"), plots=False,
