@@ -1,5 +1,5 @@
 """The research model of issue 20 meets its floor: the export of configs/research_tool.yaml as it stands
-(its default since issue 43: the mix of block sizes) that the study keeps in models/calibration_study/
+(its default block sizes: the study's mix) that the study keeps in models/calibration_study/
 (the study model whose recipe is the recipe's own: mix; with the recipe that trained it), decoded AR on
 the study's held-out eval split (200 prompts of sft.data.tool_task, user turns disjoint from training)
 by `launch.py calibrate`'s own code: tool-call validity >= 0.95 and argument accuracy >= 0.8 (the
