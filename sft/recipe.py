@@ -32,7 +32,7 @@ import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -47,13 +47,16 @@ from clover_jax.config import ModelConfig
 from clover_jax.model.clover_model import abstract_model, check_block_aligned, create_model, model_to_params
 from clover_jax.yaml_config import ConfigError, to_tree
 from sft.config import RESUME_MUST_MATCH, ModelSpec, SFTConfig, check_data_root, model_config_from
-from sft.data import SFTData, block_align_for
+from sft.data import block_align_for
 from sft.decode_eval import decode_line, decode_summary, plot_decode, with_decode_eval
 from sft.init_params import init_state, load_params  # noqa: F401  (load_params: re-exported)
 from sft.lora import describe, frozen_dtype, optimizer_config, train_model_config
 from sft.loss import make_sft_loss
 from sft.noise import check_block_size_schedule, draw_block_size, scheduled_block_size
 from sft.summary import loss_summary, plot_losses
+
+if TYPE_CHECKING:  # the pipeline (Grain) loads when a run opens its data, not with the step
+    from sft.data import SFTData
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +276,8 @@ def open_data(cfg: SFTConfig, mcfg: ModelConfig, tok_dir: Path | None) -> SFTDat
     """The recipe's data: `cfg.data` packed at `block_align` = lcm(data.block_align, the model's block
     sizes), tokenised with `_tokenizers`; every source checked to render (`SFTData.check_renders`),
     so a template that refuses every record fails here, before any compile."""
+    from sft.data import SFTData
+
     align = math.lcm(cfg.data.block_align, block_align_for(mcfg.block_size))
     if cfg.data.seq_len % align:
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} must be a multiple of {align} (lcm of data.block_align "
