@@ -195,22 +195,25 @@ def kernel_times(T: int, H: int, dk: int, dv: int, repeats: int, interpret: bool
 
 
 #: launch variants the --tune sweep times, as changes to the table's entry for the shape: the entry
-#: itself, then one knob at a time, then the narrower / wider value-tile corners
-TUNE_VARIANTS = [{}, {"parallel_warps": 8}, {"backward_warps": 4}, {"num_stages": 1}, {"num_stages": 3},
+#: itself, then the knobs no device has timed yet (chunks per intra program, the backward's value
+#: tiles: a budget that stops the sweep early still reaches them), then one warp / stage knob at a
+#: time, then the narrower / wider value-tile corners
+TUNE_VARIANTS = [{}, {"intra_chunks": 2}, {"intra_chunks": 4}, {"backward_block_v": 64}, {"backward_block_v": 32},
+                 {"parallel_warps": 8}, {"backward_warps": 4}, {"num_stages": 1}, {"num_stages": 3},
                  {"block_v": 16}, {"block_v": 64}, {"sweep_warps": 2, "block_v": 16},
-                 {"sweep_warps": 8, "block_v": 64}, {"intra_chunks": 2}, {"intra_chunks": 4},
-                 {"backward_block_v": 64}, {"backward_block_v": 32}]
+                 {"sweep_warps": 8, "block_v": 64}]
 
 
-def tune_launch(T: int, H: int, dk: int, dv: int, repeats: int, budget_s: float, interpret: bool) -> list[dict]:
-    """The phase kernels timed alone under each launch variant of TUNE_VARIANTS (the table's entry for
+def tune_launch(T: int, H: int, dk: int, dv: int, repeats: int, budget_s: float, interpret: bool,
+                variants: list[dict] = TUNE_VARIANTS) -> list[dict]:
+    """The phase kernels timed alone under each launch variant of ``variants`` (the table's entry for
     (dk, dv, chunk), or the default launch, changed by the variant, restored after): the data for the launch table. A
     variant that fails to compile is recorded with its error; none starts after ``budget_s``."""
     from pallas_kernels.gdn import gpu_calls as g
     key, rows, start = (dk, dv, CHUNK), [], time.perf_counter()
     saved, base = g.LAUNCH.get(key), g.launch_for(*key)
     try:
-        for change in TUNE_VARIANTS:
+        for change in variants:
             launch = dataclasses.replace(base, **change)
             if time.perf_counter() - start > budget_s or dv % launch.block_v:
                 continue
@@ -233,7 +236,8 @@ def tune_launch(T: int, H: int, dk: int, dv: int, repeats: int, budget_s: float,
     return rows
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with --smoke's shapes and the default time dtype applied."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--heads", type=int, default=32)
@@ -262,6 +266,11 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--seqs {bad}: each T must be a multiple of the block size {BLOCK} and at least {2 * CHUNK}")
     # fp32 timing reuses the error programs (half the compiles): the smoke default
     args.time_dtype = args.time_dtype or ("float32" if args.smoke else "bfloat16")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     # smoke (a check of the script, its times mean nothing): XLA's backend optimisation level 0,
     # the same semantics at about half the CPU compile time
     fast = {"xla_backend_optimization_level": 0} if args.smoke else None

@@ -7,22 +7,16 @@ generators import the config dataclasses and launch.py's parser, nothing compile
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+from tests.tool_import import tool_module
+
 ROOT = Path(__file__).resolve().parents[1]
 REGENERATE = "python tools/gen_docs.py"
-
-
-def _gen_docs():
-    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def doc_files() -> list[Path]:
@@ -41,7 +35,7 @@ PATH = re.compile(r"(?<![\w/.$~-])((?:" + "|".join(re.escape(t) for t in TOP) + 
 
 
 def test_generated_pages_are_current():
-    stale = _gen_docs().stale_pages()
+    stale = tool_module("gen_docs").stale_pages()
     assert not stale, f"generated pages are stale: {', '.join(stale)}; regenerate them with `{REGENERATE}`"
 
 
@@ -105,20 +99,13 @@ def test_readme_is_short_and_reads_as_a_guide():
     assert not bad, "development history in pages a user reads (it belongs in CHANGELOG.md):\n" + "\n".join(bad)
 
 
-def _readme_tables():
-    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "tools" / "readme_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_the_readme_tables_are_read_from_the_results():
     """The README's numbers come from bench/results and the stored study models: a number edited by
     hand is stale (the render puts the file's value back, computed here from the plan JSON by hand),
     and a README without a table's markers is refused, naming the file and the table."""
     import json
 
-    tables = _readme_tables()
+    tables = tool_module("readme_tables")
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     plan = json.loads((ROOT / "bench" / "results" / tables.SLICES[0][2]).read_text())[0]
     gib = f"{plan['total_bytes'] / 2**30:.1f}"

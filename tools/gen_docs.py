@@ -250,6 +250,19 @@ def _rows_table(rows: list[dict[str, Any]], limit: int = 40, only: tuple[str, ..
     return out
 
 
+def _gpu_check_rows(d: Any) -> list[str]:
+    """bench/gpu_check.py's stages: status, seconds and the stage's summary line."""
+    parts = d.get("parts", {}) if isinstance(d, dict) else {}
+    stages = {sid: st for p in parts.values() for sid, st in p.get("stages", {}).items()}
+    out = ["| stage | status | s | summary |", "|---|---|---|---|"]
+    for sid in _meta(d).get("plan") or list(stages):
+        st = stages.get(sid)
+        if st:
+            what = st.get("summary") or st.get("reason") or (st.get("error", "").strip().splitlines() or [""])[-1]
+            out.append(f"| {sid} | {st.get('status')} | {_f(st.get('seconds'), 0)} | {_esc(what)[:300]} |")
+    return out
+
+
 def _device_rows(name: str) -> list[str]:
     d = _load(name)
     out = ["| T | op | speed-up vs the XLA / dense path, fwd | fwd+bwd | max error |", "|---|---|---|---|---|"]
@@ -351,11 +364,11 @@ def render_results() -> str:
         L += _device_rows(name) + [""]
 
     for name in (n for n in names if n.startswith("gpu_check")):
-        d = _load(name)
-        L += [f"## GPU check (measured): {name}\n"]
-        rows = d.get("rows") if isinstance(d, dict) else None
-        L += (_rows_table(rows) if isinstance(rows, list) else
-              [f"Parts recorded: {', '.join(sorted(d)) if isinstance(d, dict) else '-'}."]) + [""]
+        d, m = _load(name), _meta(_load(name))
+        L += [f"## GPU check (measured): {name}\n",
+              f"{m.get('device', '?')}, JAX {m.get('jax', '?')}, commit {str(m.get('git_commit'))[:10]}, budget "
+              f"{m.get('budget_s', '?')} s; one row per stage, in the order it ran.\n"]
+        L += _gpu_check_rows(d) + [""]
 
     L += ["## Block-size calibration study\n",
           "Measured quality vs speed of the research models trained at blocks 4, 8, 16, 32 and their mix, "

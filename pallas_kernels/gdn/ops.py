@@ -25,7 +25,7 @@ BACKENDS = ("auto", "pallas", "reference")
 #: (bench/results/gdn_device_h200_fp32check.json vs gdn_device_h200.json, issue 17). fp32 at 64 was
 #: not measured: its tiles are a quarter of those at 128, so it is left on the kernels. Since then the
 #: parallel backward takes fp32 in value tiles (gpu_calls.FP32_BACKWARD_BLOCK_V); the fallback stays until a
-#: device says every fp32 program fits (bench/gdn_device.py --fp32-fit, part c of bench/gpu_check.py).
+#: device says every fp32 program fits (bench/gdn_device.py --fp32-fit, the stage c.gdn_fp32_fit of bench/gpu_check.py).
 GPU_FP32_MAX_HEAD_DIM = 64
 
 

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py, the one-call GPU check of the whole job, in its --smoke mode.
+"""bench/gpu_check.py, the one-call GPU check of the whole job: its --smoke mode, the stage plan, the budget.
 
 The script runs once, unattended, on a lent GPU with minutes of budget; this runs the same code on CPU
 (tiny widths, fp32, the Pallas kernels interpreted) so that it cannot rot unnoticed. The oracle of
@@ -23,6 +23,7 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from tests.bench.bench_import import BENCH, bench_module  # noqa: E402
+from tests.tool_import import tool_module  # noqa: E402
 
 gpu_check = bench_module("gpu_check")
 
@@ -61,14 +62,20 @@ FP32_REL = 1e-5  # every agreement number but the gate leaves (measured <= 1e-6)
 GATE_REL = 1e-4  # the gate leaves (measured <= 9.1e-6)
 
 
-def test_smoke_runs_every_part_and_the_kernels_match_the_reference(tmp_path):
+def test_smoke_runs_every_stage_and_the_kernels_match_the_reference(tmp_path):
     """The whole script as a program, without the packages the device image lacks."""
     out = tmp_path / "gpu_check.json"
     run = run_as_on_device(["--smoke", "--out", str(out)])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     report = json.loads(out.read_text())
     assert report["meta"]["smoke"] and report["meta"]["jax"] and "date" in report["meta"]
+    assert report["meta"]["packages"]["flax"] and report["meta"]["plan"] == list(gpu_check.PLAN)
     assert {k: p["status"] for k, p in report["parts"].items()} == {"a": "ok", "b": "ok", "c": "ok"}, report["parts"]
+    ran = [sid for p in report["parts"].values() for sid, st in p["stages"].items() if st["status"] == "ok"]
+    assert sorted(ran) == sorted(gpu_check.PLAN)
+    # the table lists the stages in the order they ran
+    table = run.stdout[run.stdout.index("stage "):]
+    assert [table.index(f"\n{sid} ") for sid in gpu_check.PLAN] == sorted(table.index(f"\n{sid} ") for sid in gpu_check.PLAN)
 
     a = report["parts"]["a"]["result"]
     ag = a["agreement"]
@@ -81,12 +88,13 @@ def test_smoke_runs_every_part_and_the_kernels_match_the_reference(tmp_path):
         bound = GATE_REL if leaf.endswith(GATE_LEAVES) else FP32_REL
         assert err["rel_l2"] <= bound and err["rel_max"] <= bound, (leaf, err)
     step = a["step"]["kernels"]
-    assert step["step_s"] > 0 and step["tokens_per_s"] > 0 and step["mfu"] > 0
+    assert step["seq"] == 128 and step["step_s"] > 0 and step["tokens_per_s"] > 0 and step["mfu"] > 0
     assert step["cost"]["hlo_flops"] > 0 and step["cost"]["hlo_hbm_bytes"] > 0
     # --smoke predicts for an H100 (train/roofline.py's table), beside the measured time
     assert step["roofline"]["chip"] == "H100 SXM" and step["roofline"]["measured_over_predicted"] > 0
     assert step["roofline_analytic_flops"]["flops"] == step["analytic_executed_flops"]
     assert a["step"]["reference"] == {"skipped": "--smoke compiles the kernels' step only"}
+    assert a["failed"] == {}
 
     b = report["parts"]["b"]["result"]
     [row] = b["rows"].values()
@@ -110,62 +118,83 @@ def test_smoke_runs_every_part_and_the_kernels_match_the_reference(tmp_path):
     keys = {f"{b}_{p}" for b in ("flash", "reference") for p in ("fwd", "fwd_bwd")}
     assert set(row["time_s"]) == keys and all(t > 0 for t in row["time_s"].values())
     assert att["model"] is None  # the model check is not part of --smoke
+    # the fp32 fit compiled the causal op's programs (the interpreter has no shared memory to exceed)
+    assert [(r["op"], r["pass"], r["fits"]) for r in c["gdn_fp32_fit"]] == [("causal", "fwd", True), ("causal", "fwd_bwd", True)]
+    # the launch sweep timed the six phase kernels under the table's entry (interpreted: one variant)
+    [tune] = c["gdn_tune"]["rows"]
+    assert set(tune["time_s"]) == {"intra", "wy", "sweep", "output", "state_bwd", "parallel_bwd"}
+    # docs/results.md renders such a result: a row per stage, in the order the stages ran
+    rows = tool_module("gen_docs")._gpu_check_rows(report)
+    assert [r.split(" | ")[0].lstrip("| ") for r in rows[2:]] == list(gpu_check.PLAN)
+    assert all(" | ok | " in r for r in rows[2:]) and "fp32 programs compiling 2/2" in "".join(rows)
 
 
-def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
+def test_a_failing_stage_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
     out = tmp_path / "r.json"
     seen = {}
 
-    def boom(args, res, save, deadline):
-        res["half_done"] = 1
-        raise ValueError("part a broke")
+    def boom(self, deadline):
+        self.res["half_done"] = 1
+        raise ValueError("decode broke")
 
-    def next_part(args, res, save, deadline):
-        seen["json_before"] = json.loads(out.read_text())  # written after the failed part
-        res["fine"] = True
+    def next_stage(self, deadline):
+        seen["json_before"] = json.loads(out.read_text())  # written after the failed stage
+        self.res["fine"] = True
         return "fine"
 
-    monkeypatch.setitem(gpu_check.PARTS, "a", ("sft_step", boom))
-    monkeypatch.setitem(gpu_check.PARTS, "b", ("decode", next_part))
-    report = gpu_check.main(["--smoke", "--parts", "a,b", "--out", str(out)])
-    a, b = report["parts"]["a"], report["parts"]["b"]
-    assert a["status"] == "error" and "ValueError: part a broke" in a["error"] and "boom" in a["error"]
-    assert a["result"] == {"half_done": 1}  # what it measured before raising stays
-    assert b["status"] == "ok" and b["summary"] == "fine"
-    assert seen["json_before"]["parts"]["a"]["status"] == "error"
+    monkeypatch.setattr(gpu_check.DecodeCheck, "decode", boom)
+    monkeypatch.setattr(gpu_check.KernelCheck, "gdn_rows", next_stage)
+    report = gpu_check.main(["--smoke", "--stages", "b.decode,c.gdn", "--out", str(out)])
+    b, c = report["parts"]["b"], report["parts"]["c"]
+    err = b["stages"]["b.decode"]
+    assert b["status"] == "error" and "ValueError: decode broke" in err["error"] and "boom" in err["error"]
+    assert b["result"] == {"half_done": 1}  # what it measured before raising stays
+    assert c["status"] == "ok" and c["stages"]["c.gdn"]["summary"] == "fine"
+    assert seen["json_before"]["parts"]["b"]["status"] == "error"
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
 
 
-def test_the_budget_skips_parts_and_says_why(tmp_path):
+def test_a_part_whose_setup_fails_fails_its_stages_and_not_the_others(tmp_path, monkeypatch):
+    def no_setup(self, args, res, save):
+        raise ImportError("No module named 'grain'")
+
+    monkeypatch.setattr(gpu_check.DecodeCheck, "__init__", no_setup)
+    monkeypatch.setattr(gpu_check.KernelCheck, "gdn_rows", lambda self, deadline: "fine")
+    report = gpu_check.main(["--smoke", "--stages", "b.decode,c.gdn", "--out", str(tmp_path / "r.json")])
+    assert "No module named 'grain'" in report["parts"]["b"]["stages"]["b.decode"]["error"]
+    assert report["parts"]["c"]["status"] == "ok"
+
+
+def test_the_budget_skips_stages_and_says_why(tmp_path):
     out = tmp_path / "r.json"
     report = gpu_check.main(["--smoke", "--budget-s", "0", "--out", str(out)])
     assert list(report["parts"]) == ["a", "b", "c"]
     for p in report["parts"].values():
-        assert p["status"] == "skipped" and p["reason"].startswith("budget spent"), p
+        assert p["status"] == "skipped" and p["stages"], p
+        for st in p["stages"].values():
+            assert st["status"] == "skipped" and st["reason"].startswith("budget spent"), st
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
 
 
-def test_the_out_default_and_bad_arguments(tmp_path, monkeypatch, capsys):
+def test_the_plan_the_out_default_and_bad_arguments(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
     assert gpu_check.parse([]).out == tmp_path / "gpu_check.json"
+    assert gpu_check.parse([]).stages == list(gpu_check.PLAN)
+    assert sorted(gpu_check.PLAN) == sorted(gpu_check.STAGES)  # the default plan runs every stage once
+    # --parts keeps those parts' stages in the plan's order; --stages sets the order
+    assert gpu_check.parse(["--parts", "a"]).stages == ["a.kernels_step", "a.agreement", "a.reference_step"]
+    assert gpu_check.parse(["--stages", "b.decode,c.gdn", "--parts", "c,b"]).stages == ["b.decode", "c.gdn"]
     with pytest.raises(SystemExit):
         gpu_check.parse(["--parts", "a,x"])
     assert "--parts: unknown ['x']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_check.parse(["--stages", "a.kernels_step,c.fast"])
+    assert "--stages: unknown ['c.fast']" in capsys.readouterr().err
 
 
-def test_chips_and_predictions_without_figures():
-    assert [gpu_check.chip_of(k) for k in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "TPU v5p", "TPU v5 lite", "cpu")] \
-        == ["h100", "h200", "v5p", "v5e", None]
-    from types import SimpleNamespace
-
-    flops = SimpleNamespace(model=2e12, executed=3e12)
-    cost = {"hlo_flops": 5e11, "hlo_hbm_bytes": 3.35e9, "hlo_ici_bytes": 0.0}
-    # on an H100: compute 5e11 / 989e12 s vs HBM 3.35e9 / 3350e9 = 1 ms: HBM bound, measured 2 ms = 2x
-    p = gpu_check.predictions("h100", 2e-3, cost, flops, 4096, "NVIDIA H100 80GB HBM3")
-    assert p["roofline"]["bound"] == "HBM bandwidth" and p["roofline"]["measured_over_predicted"] == pytest.approx(2.0)
-    assert p["roofline_analytic_flops"]["compute_s"] == pytest.approx(3e12 / 989e12)
-    assert p["mfu"] == pytest.approx(2e12 / 2e-3 / 989e12) and p["tokens_per_s"] == pytest.approx(4096 / 2e-3)
-    # a chip the table lacks: MFU from the recipe's known peaks, the prediction unavailable and why
-    p = gpu_check.predictions(None, 2e-3, cost, flops, 4096, "NVIDIA A100-SXM4-80GB")
-    assert p["mfu"] == pytest.approx(2e12 / 2e-3 / 312e12) and "A100" in p["roofline"]["unavailable"]
-    assert "HLO walk failed" in gpu_check.predictions("h100", 2e-3, None, flops, 4096, "x")["roofline"]["unavailable"]
+def test_part_status_of_its_stages():
+    st = lambda *s: {str(i): {"status": x} for i, x in enumerate(s)}  # noqa: E731
+    assert gpu_check.part_status(st("ok", "ok")) == "ok"
+    assert gpu_check.part_status(st("skipped", "skipped")) == "skipped"
+    assert gpu_check.part_status(st("ok", "skipped")) == "partial"
+    assert gpu_check.part_status(st("ok", "error", "skipped")) == "error"
