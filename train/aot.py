@@ -353,7 +353,7 @@ def ar_train_step(graphdef: Any, tx: optax.GradientTransformation, params: Any, 
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
     return optax.apply_updates(params, updates), opt_state, metrics
 
 

@@ -148,7 +148,7 @@ def make_train_step(
         else:
             loss, metrics, grads = _accumulate(grad_fn, train_leaves, batch, step_key, micro_batches, sum_metrics)
 
-        grad_norm = optax.global_norm(grads)  # before the cast: fp32 accumulators when accumulating
+        grad_norm = optax.tree.norm(grads)  # before the cast: fp32 accumulators when accumulating
         grads = [g.astype(p.dtype) for g, p in zip(grads, train_leaves)]
         # frozen leaves: zero grads that set_to_zero ignores (dead code for XLA)
         full_grads = [jnp.zeros_like(x) for x in leaves]
@@ -157,7 +157,7 @@ def make_train_step(
         updates, opt_state = tx.update(jax.tree.unflatten(treedef, full_grads), state.opt_state, state.params)
         upd_leaves = treedef.flatten_up_to(updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(
-            optax.global_norm([upd_leaves[i] for i in train_idx]))
+            optax.tree.norm([upd_leaves[i] for i in train_idx]))
         new_leaves = list(leaves)
         for i in train_idx:
             new_leaves[i] = (leaves[i] + upd_leaves[i]).astype(leaves[i].dtype)
