@@ -7,8 +7,9 @@ smoke without them), as one call with the device tool's timeout_s 600 (no stage 
 --budget-s; the one running then finishes, so leave a minute or two):
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 480 2>&1 | tee $OUT/gpu_check.log
 Any host (CPU: the Pallas kernels interpreted), to check the script: the tiny preset's widths (1 GDN + 1
-full-attention layer), seq and context 128, fp32, remat none, the reference step not compiled, the GDN
-rows of the causal op only, the roofline as if on an H100 (about 1.5 min on 2 busy CPU cores):
+full-attention layer), seq and context 128, fp32, the GPU's MoE path (`blocked`; CPU's default is
+`capacity`), the reference step not compiled, the GDN rows of the causal op only, the launch sweep's
+entry alone, the roofline as if on an H100 (about 1.5 min on 2 busy CPU cores):
     python bench/gpu_check.py --smoke --out /tmp/gpu_check_smoke.json
 
 Everything does not fit one call (compiles at the 35B widths take a minute each), so the work runs as
@@ -321,7 +322,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true",
                     help="checks the script on any host: the tiny preset's widths (2 layers), seq and context 128, "
-                         "decode batch 2, C = 4, fp32, remat none, 1 repeat, roofline as if on an H100")
+                         "decode batch 2, C = 4, fp32, the blocked MoE, 1 repeat, roofline as if on an H100")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -52,11 +52,13 @@ def base_config(smoke: bool) -> ModelConfig:
 
 
 def recipe_configs(args: argparse.Namespace, param_dtype: str) -> tuple[Any, ModelConfig]:
-    """(SFTConfig of configs/agent_mix.yaml with this check's overrides, its ModelConfig at --layers)."""
+    """(SFTConfig of configs/agent_mix.yaml with this check's overrides, its ModelConfig at --layers).
+    --smoke: fp32, and the MoE path a GPU takes (`blocked`) instead of CPU's, so the smoke runs the
+    step the device will."""
     from sft.config import load_sft_config, model_config_from
 
     over = [f"model.num_hidden_layers={args.layers}", f"model.block_size={args.block}", "train.micro_batches=1",
-            f"train.param_dtype={param_dtype}"] + (["model.dtype=float32", "model.remat=none"] if args.smoke else [])
+            f"train.param_dtype={param_dtype}"] + (["model.dtype=float32", "model.moe_impl=blocked"] if args.smoke else [])
     cfg = load_sft_config(RECIPE, over)
     return cfg, model_config_from(cfg.model, base_config(args.smoke)).replace(param_dtype=param_dtype)
 

@@ -1,14 +1,15 @@
 """bench/gpu_check.py, the one-call GPU check of the whole job: its --smoke mode, the stage plan, the budget.
 
 The script runs once, unattended, on a lent GPU with minutes of budget; this runs the same code on CPU
-(tiny widths, fp32, the Pallas kernels interpreted) so that it cannot rot unnoticed. The oracle of
-part a is the script's own comparison of the recipe's loss and gradients, kernels (Pallas GDN + flash
-attention) vs the XLA reference path. Measured in --smoke (2 CPU cores): loss 8.6e-8, global gradient
-norm 4.9e-8, gradient L2 2.4e-7 relative; every leaf within 1e-6 (L2, relative) except the GDN gate's
-parameters (dt_bias 9.1e-6, A_log 6.9e-6, in_proj_a 8.4e-7), whose gradients are cancelling sums over
-tokens of dg, where the fast-decay heads' tiny dg carries the chunked form's round-off (against a
-float64 oracle: tests/kernels/gdn/test_grad_f64.py): bounds BELOW for those at ~10x the measurement,
-for the rest at 1e-5.
+(tiny widths, fp32, the Pallas kernels interpreted, the GPU's blocked MoE) so that it cannot rot
+unnoticed, and without the packages the device image lacks. The oracle of part a is the script's own
+comparison of the recipe's loss and gradients, kernels (Pallas GDN + flash attention) vs the XLA
+reference path. Measured in --smoke (2 CPU cores): loss equal, global gradient norm 1.7e-8, gradient
+L2 2.4e-7 relative; every leaf within 9e-7 (max and L2, relative) except the GDN gate's parameters
+(dt_bias 1.1e-5, A_log 1.0e-5, in_proj_a 1.3e-6), whose gradients are cancelling sums over tokens of
+dg, where the fast-decay heads' tiny dg carries the chunked form's round-off (against a float64
+oracle: tests/kernels/gdn/test_grad_f64.py): bounds BELOW for those at ~10x the measurement, for the
+rest at 1e-5.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def run_as_on_device(argv: list[str]) -> subprocess.CompletedProcess:
                           timeout=900, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 GATE_LEAVES = ("gdn.dt_bias", "gdn.A_log", "gdn.in_proj_a.kernel")
-FP32_REL = 1e-5  # every agreement number but the gate leaves (measured <= 1e-6)
-GATE_REL = 1e-4  # the gate leaves (measured <= 9.1e-6)
+FP32_REL = 1e-5  # every agreement number but the gate leaves (measured <= 9e-7)
+GATE_REL = 1e-4  # the gate leaves (measured <= 1.1e-5)
 
 
 def test_smoke_runs_every_stage_and_the_kernels_match_the_reference(tmp_path):
