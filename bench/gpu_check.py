@@ -88,6 +88,25 @@ def bench_module(name: str) -> Any:
 
 
 # ----------------------------------------------------------------------------------- part b: decode
+def decode_config(args: argparse.Namespace) -> Any:
+    """The decode model: the recipe's, in bf16 (smoke: fp32) weights and compute, no remat."""
+    dtype = "float32" if args.smoke else "bfloat16"
+    return recipe_configs(args, dtype)[1].replace(dtype=dtype, remat="none")
+
+
+def decode_programs(mcfg: Any, coreset: int) -> tuple[Any, dict[str, Any]]:
+    """(extend: (params, ids, cache) -> (logits, cache), the cache donated; {"block_free", "block_c<C>":
+    (params, canvas, cache) -> the block step's outputs}), the model methods the decode loops call."""
+    from clover_jax.model.clover_model import abstract_model
+
+    graphdef = nnx.graphdef(abstract_model(mcfg))
+    core_def = nnx.graphdef(abstract_model(mcfg.replace(moe_block_coreset=coreset)))
+    extend = jax.jit(lambda p, ids, cache: nnx.merge(graphdef, p).extend(ids, cache), donate_argnums=2)
+    blocks = {op: jax.jit(lambda p, ids, cache, gd=gd: nnx.merge(gd, p).block_step(ids, cache))
+              for op, gd in (("block_free", graphdef), (f"block_c{coreset}", core_def))}
+    return extend, blocks
+
+
 class DecodeCheck:
     """Part b (module docstring)."""
 
@@ -98,22 +117,17 @@ class DecodeCheck:
         """Per decode batch: the context prefilled by commit passes (the `extend` program of one block),
         then the block step free and with the coreset (they read the cache), the AR step and the commit
         pass (they advance it: the cache is donated and chained, as the decode loop carries it)."""
-        from clover_jax.model.clover_model import abstract_model, create_model
+        from clover_jax.model.clover_model import create_model
 
         args, res = self.args, self.res
-        dtype = "float32" if args.smoke else "bfloat16"
-        _, mcfg = recipe_configs(args, dtype)
-        mcfg = mcfg.replace(dtype=dtype, remat="none")
+        mcfg = decode_config(args)
         bk, ctx, c = args.block, args.context, args.coreset
         t0 = time.perf_counter()
         model = create_model(mcfg, args.seed)
-        graphdef, params = nnx.split(model)
-        res.update(init_s=time.perf_counter() - t0, dtype=dtype, context=ctx, block=bk, coreset=c, rows={},
+        params = nnx.state(model)
+        res.update(init_s=time.perf_counter() - t0, dtype=mcfg.dtype, context=ctx, block=bk, coreset=c, rows={},
                    note="AR step and commit pass route freely (the block coreset applies to block steps only)")
-        core_def = nnx.split(abstract_model(mcfg.replace(moe_block_coreset=c)))[0]
-        extend = jax.jit(lambda p, ids, cache: nnx.merge(graphdef, p).extend(ids, cache), donate_argnums=2)
-        blocks = {op: jax.jit(lambda p, ids, cache, gd=gd: nnx.merge(gd, p).block_step(ids, cache))
-                  for op, gd in (("block_free", graphdef), (f"block_c{c}", core_def))}
+        extend, blocks = decode_programs(mcfg, c)
         rng = np.random.default_rng(args.seed)
         mask = int(mcfg.mask_token_id)
         opts = {"xla_backend_optimization_level": 0} if args.smoke else None

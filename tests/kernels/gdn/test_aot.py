@@ -111,7 +111,7 @@ def cuda_target(device_kind: str = "NVIDIA H200"):
     AbstractDevice = getattr(jax.sharding, "AbstractDevice", None)
     if AbstractDevice is None:
         return contextlib.nullcontext()
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,),
                                      abstract_device=AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu"))
     return jax.sharding.use_abstract_mesh(mesh)
 
