@@ -92,6 +92,8 @@ KINDS: list[tuple[str, str, str, str]] = [
      "measured", "python bench/decode.py"),
     ("gdn_context", "context-parallel GDN: collective bytes per chip (TPU AOT)",
      "predicted", "python bench/gdn_context.py"),
+    ("gdn_decode_step", "one GDN token against a state (an AR decode step): the recurrent step vs the chunked form",
+     "measured", "python bench/gdn_decode_step.py"),
     ("gdn_device", "Pallas GDN kernels vs the XLA path: errors and time",
      "measured", "python bench/gdn_device.py"),
     ("gdn_kernel_report", "the GDN kernels' matmuls, dependent chains, residual bytes and triangular inverses "

@@ -155,10 +155,16 @@ class GatedDeltaNet(nnx.Module):
         init_state = None
         if cache is not None:
             init_state = cache["state"] * ctx["continues"][:, None, None, None].astype(jnp.float32)
-        o, state = pallas_kernels.chunk_gated_delta_rule(
-            q, k, v, g, beta, initial_state=init_state, segment_ids=seg,
-            chunk_size=c.gdn_chunk_size, backend=c.gdn_backend,
-        )
+        if cache is not None and t == 1:
+            # one token (an AR decode step): the recurrence's single step; the chunked form, kernel or
+            # reference, pads it to a whole chunk (bench/gdn_decode_step.py)
+            o, state = pallas_kernels.recurrent_gated_delta_rule_ref(
+                q, k, v, g, beta, initial_state_BHKV=init_state, segment_ids_BT=seg)
+        else:
+            o, state = pallas_kernels.chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=init_state, segment_ids=seg,
+                chunk_size=c.gdn_chunk_size, backend=c.gdn_backend,
+            )
         y = self.output(o, mixed["z"], x_BTD.dtype, ctx.get("lora_key"))
         if cache is None:
             return y, None

@@ -89,6 +89,9 @@ def test_cached_extend_with_new_document_resets(model):
     _, cache = extend(model, a, cache, None, jnp.ones((1, 10), jnp.int32))
     out, _ = extend(model, b_, cache, jnp.arange(7)[None], jnp.full((1, 7), 2))
     assert_rel_close(out, forward(model, b_), REL, "new document after cached tokens")
+    # a one-token extend (the GDN's recurrent step, not the chunked form) starts a document too
+    out, _ = extend(model, b_[:, :1], cache, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 2))
+    assert_rel_close(out, forward(model, b_[:, :1]), REL, "one-token document after cached tokens")
 
 
 def test_scan_equals_python_loop(model):
