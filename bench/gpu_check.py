@@ -29,7 +29,9 @@ b. ``decode``: the same widths, bf16 weights: a context of ``--context`` 4096 to
    coreset off and at C = ``--coreset`` 32, one AR step (`extend` of 1 token) and one commit pass
    (`extend` of the block's 32 tokens), the model methods `clover_jax.decoding.loops` calls; the cache
    is donated and chained as the decode loop carries it. Milliseconds each (the AR step and the commit
-   pass route freely: the coreset applies to block steps only). Stage ``decode``.
+   pass route freely: the coreset applies to block steps only), and each block step's time in AR steps
+   (``ar_steps_per_block_step``): the wall-clock gain of block decoding is the tokens a block step commits
+   (the calibration study's tokens per forward) over it. Stage ``decode``.
 c. ``kernels``: stage ``gdn``: bench/gdn_device.py's rows at T = ``--kernel-seq`` (8192; bf16 errors and
    times, the phase kernels one by one); ``gdn_fp32_fit``: do the fp32 Triton programs now fit shared
    memory (they did not before the parallel backward took dv in tiles; ``ops.GPU_FP32_MAX_HEAD_DIM``
@@ -172,6 +174,9 @@ class DecodeCheck:
 
                 row["ms"][op] = 1e3 * best_time(run, args.repeats)
             row["skipped_ops"] = [op for op in ("block_free", f"block_c{c}", "ar", "commit") if op not in row["ms"]]
+            # AR steps per block step's time: times the tokens a block step commits, the wall-clock gain
+            row["ar_steps_per_block_step"] = {op: row["ms"]["ar"] / ms for op, ms in row["ms"].items()
+                                              if op.startswith("block") and "ar" in row["ms"]}
             row["cache_index_after"] = int(holder["cache"]["index"])
             print(f"  batch {b}: prefill of {ctx} tokens by {ctx // bk} commit passes {row['prefill_s']:.2f} s; "
                   + ", ".join(f"{op} {ms:.2f} ms" for op, ms in row["ms"].items()), flush=True)
@@ -181,6 +186,7 @@ class DecodeCheck:
 
 def summary_decode(res: dict) -> str:
     return "; ".join(f"B={b}: " + ", ".join(f"{op} {ms:.2f}" for op, ms in r["ms"].items()) + " ms"
+                     + "".join(f", {op} = {x:.2f} AR steps" for op, x in r.get("ar_steps_per_block_step", {}).items())
                      for b, r in res.get("rows", {}).items() if r.get("ms"))
 
 

@@ -103,6 +103,7 @@ def test_smoke_runs_every_stage_and_the_kernels_match_the_reference(tmp_path):
     assert all(ms > 0 for ms in row["ms"].values())
     # prefill (4 commit passes) + the AR and commit steps, each 1 warm-up + 1 timed call, advanced the cache
     assert row["cache_index_after"] == 128 + 2 * 1 + 2 * 32
+    assert row["ar_steps_per_block_step"] == {op: row["ms"]["ar"] / row["ms"][op] for op in ("block_free", "block_c4")}
 
     c = report["parts"]["c"]["result"]
     for name in ("gdn_device", "attention_gpu"):
