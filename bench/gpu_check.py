@@ -15,7 +15,10 @@ entry alone, the roofline as if on an H100 (about 1.5 min on 2 busy CPU cores):
 Everything does not fit one call (compiles at the 35B widths take a minute each), so the work runs as
 stages in order of what the answer needs most (``PLAN``; ``--stages`` picks and orders others,
 ``--parts`` keeps only some parts' stages): the GDN kernel rows the acceptance names, the SFT step beside
-its roofline, the decode step costs, then the cross-checks and tuning data. Parts (the JSON's layout):
+its roofline, the decode step costs, then the cross-checks and tuning data. No stage starts after
+``--budget-s``, nor one that this run's own compile times say would end past it (the gradient agreement:
+two compiles of about the train step's), so a stage is not cut off by the device's limit while a cheaper
+one could still have run. Parts (the JSON's layout):
 
 a. ``sft_step`` (bench/gpu_check_sft.py): one layer group of Clover-35B-A3B (the ``clover-35b-a3b``
    preset's widths: hidden 2048, 3 GDN + 1 full-attention layer, 256 experts top 8, vocab 248320) in
@@ -31,7 +34,8 @@ b. ``decode``: the same widths, bf16 weights: a context of ``--context`` 4096 to
    is donated and chained as the decode loop carries it. Milliseconds each (the AR step and the commit
    pass route freely: the coreset applies to block steps only), and each block step's time in AR steps
    (``ar_steps_per_block_step``): the wall-clock gain of block decoding is the tokens a block step commits
-   (the calibration study's tokens per forward) over it. Stage ``decode``.
+   (the calibration study's tokens per forward) over it. Stages ``decode`` (the first batch) and
+   ``decode_more`` (the others).
 c. ``kernels``: stage ``gdn``: bench/gdn_device.py's rows at T = ``--kernel-seq`` (8192; bf16 errors and
    times, the phase kernels one by one); ``gdn_fp32_fit``: do the fp32 Triton programs now fit shared
    memory (they did not before the parallel backward took dv in tiles; ``ops.GPU_FP32_MAX_HEAD_DIM``
@@ -116,18 +120,30 @@ class DecodeCheck:
         self.args, self.res, self.save = args, res, save
 
     def decode(self, deadline: float) -> str:
+        """The first decode batch (--decode-batches)."""
+        return self.batches(self.args.decode_batches[:1], deadline)
+
+    def decode_more(self, deadline: float) -> str:
+        """The other decode batches."""
+        return self.batches(self.args.decode_batches[1:], deadline)
+
+    def batches(self, decode_batches: list[int], deadline: float) -> str:
         """Per decode batch: the context prefilled by commit passes (the `extend` program of one block),
         then the block step free and with the coreset (they read the cache), the AR step and the commit
-        pass (they advance it: the cache is donated and chained, as the decode loop carries it)."""
+        pass (they advance it: the cache is donated and chained, as the decode loop carries it). The
+        model is made again by each call (the stages between need the device memory)."""
         from clover_jax.model.clover_model import create_model
 
+        if not decode_batches:
+            return "no other decode batch"
         args, res = self.args, self.res
         mcfg = decode_config(args)
         bk, ctx, c = args.block, args.context, args.coreset
         t0 = time.perf_counter()
         model = create_model(mcfg, args.seed)
         params = nnx.state(model)
-        res.update(init_s=time.perf_counter() - t0, dtype=mcfg.dtype, context=ctx, block=bk, coreset=c, rows={},
+        res.setdefault("rows", {})
+        res.update(init_s=time.perf_counter() - t0, dtype=mcfg.dtype, context=ctx, block=bk, coreset=c,
                    note="AR step and commit pass route freely (the block coreset applies to block steps only)")
         extend, blocks = decode_programs(mcfg, c)
         rng = np.random.default_rng(args.seed)
@@ -140,7 +156,7 @@ class DecodeCheck:
             row["compile_s"][op] = time.perf_counter() - t0
             return prog
 
-        for b in args.decode_batches:
+        for b in decode_batches:
             row: dict = {"compile_s": {}, "ms": {}}
             res["rows"][str(b)] = row
             if time.perf_counter() >= deadline:
@@ -275,13 +291,15 @@ PARTS: dict[str, tuple[str, type, Callable[[dict], str]]] = {
     "c": ("kernels", KernelCheck, summary_kernels)}
 #: stage id ("<part>.<stage>") -> the method of the part's class that runs it
 STAGES: dict[str, str] = {"a.kernels_step": "kernels_step", "a.agreement": "agreement",
-                          "a.reference_step": "reference_step", "b.decode": "decode", "c.gdn": "gdn_rows",
-                          "c.gdn_fp32_fit": "gdn_fp32_fit", "c.gdn_tune": "gdn_tune", "c.attention": "attention"}
+                          "a.reference_step": "reference_step", "b.decode": "decode", "b.decode_more": "decode_more",
+                          "c.gdn": "gdn_rows", "c.gdn_fp32_fit": "gdn_fp32_fit", "c.gdn_tune": "gdn_tune",
+                          "c.attention": "attention"}
 #: the default order: the acceptance's numbers first (GDN kernels at T = 8192, the step beside its
-#: roofline, the decode steps), then the whole-model gradient check, what changes the GPU launch
-#: (fp32 fit, launch sweep), the XLA step for the speed-up, attention (measured on an H200 before)
-PLAN = ("c.gdn", "a.kernels_step", "b.decode", "a.agreement", "c.gdn_fp32_fit", "c.gdn_tune", "a.reference_step",
-        "c.attention")
+#: roofline, the decode steps at batch 1), then the whole-model gradient check, the fp32 fit (it decides
+#: the GPU's fp32 fallback), the other decode batches, the launch sweep, the XLA step for the speed-up,
+#: attention (measured on an H200 before)
+PLAN = ("c.gdn", "a.kernels_step", "b.decode", "a.agreement", "c.gdn_fp32_fit", "b.decode_more", "c.gdn_tune",
+        "a.reference_step", "c.attention")
 
 
 def part_status(stages: dict) -> str:
@@ -342,13 +360,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true",
                     help="checks the script on any host: the tiny preset's widths (2 layers), seq and context 128, "
-                         "decode batch 2, C = 4, fp32, the blocked MoE, 1 repeat, roofline as if on an H100")
+                         "decode batches 2 and 1, C = 4, fp32, the blocked MoE, 1 repeat, roofline as if on an H100")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.smoke:
         args.seq, args.context, args.coreset, args.repeats = 128, 128, 4, 1
-        args.layers, args.decode_batches = 2, [2]
+        args.layers, args.decode_batches = 2, [2, 1]
         args.chip = args.chip or "h100"
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -386,8 +404,13 @@ def main(argv: list[str] | None = None) -> dict:
         rec: dict = {"status": "running"}
         part["stages"][sid] = rec
         elapsed = time.perf_counter() - start
-        if elapsed >= args.budget_s:
-            rec.update(status="skipped", reason=f"budget spent: {elapsed:.0f} s >= --budget-s {args.budget_s:g}")
+        # what this run's own compiles say the stage takes (0 when nothing says)
+        need = checks[key].expected_s(STAGES[sid]) if key in checks and hasattr(checks[key], "expected_s") else 0.0
+        if elapsed >= args.budget_s or elapsed + need > args.budget_s:
+            why = (f"budget spent: {elapsed:.0f} s >= --budget-s {args.budget_s:g}" if elapsed >= args.budget_s else
+                   f"budget: at {elapsed:.0f} s, ~{need:.0f} s expected (this run's compiles) would end past "
+                   f"--budget-s {args.budget_s:g}")
+            rec.update(status="skipped", reason=why)
             print(f"{sid}: skipped, {rec['reason']}", flush=True)
         else:
             print(f"{sid} at {elapsed:.0f} s ...", flush=True)

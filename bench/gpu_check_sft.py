@@ -242,6 +242,12 @@ class SftCheck:
         self.res["init_s"] = time.perf_counter() - t0
         return p
 
+    def expected_s(self, stage: str) -> float:
+        """Seconds a stage should take, from this run's compile of the kernels' step (0 before it): the
+        agreement compiles two programs of about its size, the reference step one."""
+        c = self.res["step"].get("kernels", {}).get("compile_s")
+        return 0.0 if c is None else {"agreement": 2 * c, "reference_step": c}.get(stage, 0.0)
+
     # ------------------------------------------------------------------------------------ stages
     def agreement(self, deadline: float) -> str:
         """Loss and gradients, kernels vs reference, from the same params, batch and noise key."""

@@ -98,12 +98,13 @@ def test_smoke_runs_every_stage_and_the_kernels_match_the_reference(tmp_path):
     assert a["failed"] == {}
 
     b = report["parts"]["b"]["result"]
-    [row] = b["rows"].values()
-    assert set(row["ms"]) == {"block_free", "block_c4", "ar", "commit"} and not row["skipped_ops"]
-    assert all(ms > 0 for ms in row["ms"].values())
-    # prefill (4 commit passes) + the AR and commit steps, each 1 warm-up + 1 timed call, advanced the cache
-    assert row["cache_index_after"] == 128 + 2 * 1 + 2 * 32
-    assert row["ar_steps_per_block_step"] == {op: row["ms"]["ar"] / row["ms"][op] for op in ("block_free", "block_c4")}
+    assert list(b["rows"]) == ["2", "1"]  # b.decode the first batch, b.decode_more the other
+    for row in b["rows"].values():
+        assert set(row["ms"]) == {"block_free", "block_c4", "ar", "commit"} and not row["skipped_ops"]
+        assert all(ms > 0 for ms in row["ms"].values())
+        # prefill (4 commit passes) + the AR and commit steps, each 1 warm-up + 1 timed call, advanced the cache
+        assert row["cache_index_after"] == 128 + 2 * 1 + 2 * 32
+        assert row["ar_steps_per_block_step"] == {op: row["ms"]["ar"] / row["ms"][op] for op in ("block_free", "block_c4")}
 
     c = report["parts"]["c"]["result"]
     for name in ("gdn_device", "attention_gpu"):
@@ -165,6 +166,26 @@ def test_a_part_whose_setup_fails_fails_its_stages_and_not_the_others(tmp_path, 
     report = gpu_check.main(["--smoke", "--stages", "b.decode,c.gdn", "--out", str(tmp_path / "r.json")])
     assert "No module named 'grain'" in report["parts"]["b"]["stages"]["b.decode"]["error"]
     assert report["parts"]["c"]["status"] == "ok"
+
+
+def test_a_stage_this_runs_compiles_say_would_overrun_the_budget_is_skipped(tmp_path, monkeypatch):
+    """After the kernels' step compiled in 100 s, the agreement (two such compiles) and the reference step
+    (one) would end past a 90 s budget: skipped, saying so; a stage with no estimate still runs."""
+    sft = bench_module("gpu_check_sft")
+
+    def kernels_step(self, deadline):
+        self.res["step"]["kernels"] = {"compile_s": 100.0}
+        return "compiled in 100 s"
+
+    monkeypatch.setattr(sft.SftCheck, "kernels_step", kernels_step)
+    monkeypatch.setattr(gpu_check.KernelCheck, "gdn_rows", lambda self, deadline: "fine")
+    report = gpu_check.main(["--smoke", "--budget-s", "90", "--stages",
+                             "a.kernels_step,a.agreement,a.reference_step,c.gdn", "--out", str(tmp_path / "r.json")])
+    st = {**report["parts"]["a"]["stages"], **report["parts"]["c"]["stages"]}
+    assert [st[s]["status"] for s in ("a.kernels_step", "a.agreement", "a.reference_step", "c.gdn")] == [
+        "ok", "skipped", "skipped", "ok"]
+    assert "~200 s expected" in st["a.agreement"]["reason"] and "~100 s expected" in st["a.reference_step"]["reason"]
+    assert report["parts"]["a"]["status"] == "partial"
 
 
 def test_the_budget_skips_stages_and_says_why(tmp_path):

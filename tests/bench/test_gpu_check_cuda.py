@@ -9,8 +9,8 @@ asked for platform "gpu"), since on this host they would resolve for CPU. Expect
 kernels' design: per GDN layer the block-mode forward (intra, sweep, block output, noisy readout), again
 in the backward under remat "full" (the recipe's), and the backward (WY recompute, state recompute
 sweep, dS sweep, parallel backward); per attention layer the flash forward of both streams (twice,
-remat) and their dq / dkv kernels. The decode commit pass and AR step run the causal GDN forward
-(intra, sweep, output) per GDN layer; the block step runs no kernel (the cache's reference paths).
+remat) and their dq / dkv kernels. The decode commit pass runs the causal GDN forward (intra, sweep,
+output) per GDN layer; the AR step (one token: the recurrence's step) and the block step run no kernel.
 """
 
 from __future__ import annotations
@@ -93,9 +93,10 @@ def test_the_decode_programs_lower_for_cuda_at_the_real_widths():
     cache = jax.eval_shape(lambda: model.init_cache(1, args.context + 64))
     extend, blocks = gpu_check.decode_programs(mcfg, args.coreset)
     g, _ = layer_counts(mcfg)
-    causal_fwd = {"gdn_gpu_intra": g, "gdn_gpu_sweep": g, "gdn_gpu_output": g}
-    for t in (args.block, 1):  # the commit pass, the AR step
-        assert kernels(lower_cuda(extend, params, jax.ShapeDtypeStruct((1, t), jnp.int32), cache)) == causal_fwd
+    commit = lower_cuda(extend, params, jax.ShapeDtypeStruct((1, args.block), jnp.int32), cache)
+    assert kernels(commit) == {"gdn_gpu_intra": g, "gdn_gpu_sweep": g, "gdn_gpu_output": g}
+    # the AR step: one token, the GDN recurrence's single step in XLA (no chunk padded from one token)
+    assert kernels(lower_cuda(extend, params, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)) == {}
     canvas = jax.ShapeDtypeStruct((1, args.block), jnp.int32)
     for op, fn in blocks.items():
         assert kernels(lower_cuda(fn, params, canvas, cache)) == {}, op
