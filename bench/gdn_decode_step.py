@@ -44,6 +44,7 @@ def inputs(B: int, H: int, HK: int, K: int, V: int, seed: int = 0) -> tuple:
 
 
 def programs(chunk: int) -> dict:
+    """{row name: the jitted op (q, k, v, g, beta, state, segment_ids) -> (o, final state)}."""
     on_device = jax.default_backend() in ("gpu", "tpu")
     progs = {"recurrent": lambda q, k, v, g, b, s, seg: recurrent_gated_delta_rule_ref(
         q, k, v, g, b, initial_state_BHKV=s, segment_ids_BT=seg)}

@@ -241,7 +241,7 @@ class KernelCheck:
         ops = ["causal"] if self.args.smoke else ["causal", "block"]
         fast = {"xla_backend_optimization_level": 0} if self.args.smoke else None
         self.res["gdn_fp32_fit"] = rows = self.gdn.fp32_fit(s.seqs[0], s.heads, s.dk, s.dv, ops, None, fast)
-        return f"fp32 programs compiling {sum(r['fits'] for r in rows)}/{len(rows)}"
+        return summary_fit(rows)
 
     def gdn_tune(self, deadline: float) -> str:
         """The GPU phase kernels under each launch variant (smoke: the entry alone, interpreted)."""
@@ -266,6 +266,10 @@ def summary_script(name: str, r: dict) -> str:
             + (f", worst rel error {max(errs):.1e}" if errs else "") + f", {len(r['report']['skipped'])} skipped")
 
 
+def summary_fit(rows: list[dict]) -> str:
+    return f"fp32 programs compiling {sum(r['fits'] for r in rows)}/{len(rows)}"
+
+
 def summary_tune(t: dict) -> str:
     ok = [r for r in t["rows"] if "total_s" in r]
     if not ok:
@@ -279,7 +283,7 @@ def summary_tune(t: dict) -> str:
 def summary_kernels(res: dict) -> str:
     out = [summary_script(n, res[n]) for n in ("gdn_device", "attention_gpu") if n in res]
     if res.get("gdn_fp32_fit"):
-        out.append(f"fp32 programs compiling {sum(x['fits'] for x in res['gdn_fp32_fit'])}/{len(res['gdn_fp32_fit'])}")
+        out.append(summary_fit(res["gdn_fp32_fit"]))
     if res.get("gdn_tune", {}).get("rows"):
         out.append(summary_tune(res["gdn_tune"]))
     return "; ".join(out)
